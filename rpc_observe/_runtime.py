@@ -1,0 +1,155 @@
+"""The telemetry of one worker process: started by the wrapped `init_rpc`, before torch's.
+
+torch's own init_rpc already makes RPCs, and peers may call this worker before its
+init_rpc returns, so everything here is ready before the original init_rpc runs.
+Until then `current` is None and every wrapper goes straight to torch's original.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from . import _health, exposition
+from .config import RPC_OBSERVE_DIR, Config
+
+_logger = logging.getLogger("rpc_observe")
+current: "Runtime | None" = None
+_start_lock = threading.Lock()
+
+
+class Runtime:
+    """Metrics, tracer and profiler events of this process, labelled with its worker name."""
+
+    def __init__(self, config: Config, worker: str, rank: int | None):
+        self.config = config
+        self.worker = worker
+        self.run_id = config.run_id
+        self.metrics = None
+        self.tracer = None
+        self.profiler = None
+        self.metrics_port: int | None = None
+        self.target_path: str | None = None
+        self.spans_path: str | None = None
+        self._server = None
+        self.client_sites: dict = {}
+        self.server_sites: dict = {}
+        self.message_sites: dict = {}
+        out_dir = self._make_out_dir()
+        if config.metrics:
+            self._start_metrics(rank, out_dir)
+        if config.tracing:
+            self._start_tracing(out_dir)
+        if config.profiler_events or config.profile:
+            from .profiler_events import ProfilerEvents
+
+            self.profiler = ProfilerEvents(worker, self.run_id)
+            self.profiler.patch_profiler()
+
+    def _make_out_dir(self) -> str | None:
+        out_dir = self.config.out_dir
+        try:
+            for sub in ("spans", "targets"):
+                os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+            probe = os.path.join(out_dir, "spans", f".probe-{os.getpid()}")
+            open(probe, "w").close()
+            os.remove(probe)
+            return out_dir
+        except OSError as e:
+            _logger.warning("rpc_observe: %s=%r is not writable (%s): accepted a directory this process can "
+                            "create and write; span files and file_sd targets are off, metrics and OTLP export "
+                            "go on", RPC_OBSERVE_DIR, out_dir, e.strerror or e)
+            return None
+
+    def _start_metrics(self, rank: int | None, out_dir: str | None) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from .metrics import Metrics
+
+        self.metrics = Metrics(self.worker, self.config.max_methods, _agent_debug_info)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.metrics)
+        try:
+            self._server, self.metrics_port = exposition.serve(registry, self.config, rank)
+        except Exception as e:
+            _logger.warning("rpc_observe: cannot serve metrics on %s (%s); metrics are still counted",
+                            self.config.metrics_addr, e)
+            return
+        if out_dir is not None:
+            self.target_path = exposition.write_target(os.path.join(out_dir, "targets"), self.worker,
+                                                       self.config.metrics_addr, self.metrics_port, self.run_id)
+
+    def _start_tracing(self, out_dir: str | None) -> None:
+        from opentelemetry.sdk.resources import Resource
+
+        from . import exporters, tracing
+
+        resource = Resource.create({
+            "service.name": self.config.service_name or self.worker,
+            "torch.rpc.worker": self.worker,
+            "process.pid": os.getpid(),
+            "rpc_observe.run_id": self.run_id,
+        })
+        spans_dir = os.path.join(out_dir, "spans") if out_dir is not None else None
+        sinks = exporters.build_sinks(self.config, dict(resource.attributes), spans_dir, self.worker)
+        self.spans_path = next((s.path for s in sinks if hasattr(s, "path")), None)
+        self.tracer = tracing.Tracer(self.config, sinks)
+
+    def flush(self) -> None:
+        """Exports queued spans (bounded by OTEL_BSP_EXPORT_TIMEOUT)."""
+        if self.tracer is not None:
+            self.tracer.flush()
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.shutdown()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self.target_path is not None:
+            try:
+                os.remove(self.target_path)
+            except OSError:
+                pass
+
+
+def _agent_debug_info() -> dict:
+    from torch.distributed.rpc import api
+
+    return api._get_current_rpc_agent().get_debug_info()
+
+
+def start(config: Config, worker: str, rank: int | None) -> Runtime | None:
+    """Starts this process's telemetry once; later calls return the running one."""
+    global current
+    with _start_lock:
+        if current is not None:
+            return current
+        try:
+            current = Runtime(config, worker, rank)
+        except Exception:
+            _health.internal_error("start")
+            return None
+        atexit.register(_close_at_exit, current)
+        return current
+
+
+def _close_at_exit(runtime: Runtime) -> None:
+    try:
+        runtime.close()
+    except Exception:
+        pass
+
+
+def stop() -> None:
+    """Stops the telemetry (uninstrument): flushes spans, closes the endpoint."""
+    global current
+    with _start_lock:
+        runtime, current = current, None
+    if runtime is not None:
+        try:
+            runtime.close()
+        except Exception:
+            _health.internal_error("stop")
+

@@ -1,0 +1,176 @@
+"""Every environment variable rpc_observe reads, parsed and validated in one place.
+
+Bad values never stop the job: each gives one warning that names the variable and
+what it accepts, and the documented default is used instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Mapping
+
+_logger = logging.getLogger("rpc_observe")
+
+# Names of the variables, documented in the README.
+RPC_OBSERVE = "RPC_OBSERVE"
+RPC_OBSERVE_DIR = "RPC_OBSERVE_DIR"
+RPC_OBSERVE_RUN_ID = "RPC_OBSERVE_RUN_ID"
+RPC_OBSERVE_METRICS = "RPC_OBSERVE_METRICS"
+RPC_OBSERVE_METRICS_PORT = "RPC_OBSERVE_METRICS_PORT"
+RPC_OBSERVE_METRICS_ADDR = "RPC_OBSERVE_METRICS_ADDR"
+RPC_OBSERVE_MAX_METHODS = "RPC_OBSERVE_MAX_METHODS"
+RPC_OBSERVE_PROFILER_EVENTS = "RPC_OBSERVE_PROFILER_EVENTS"
+RPC_OBSERVE_PROFILE = "RPC_OBSERVE_PROFILE"
+RPC_OBSERVE_PROFILE_MAX_SECONDS = "RPC_OBSERVE_PROFILE_MAX_SECONDS"
+RPC_OBSERVE_SPAN_NAMES = "RPC_OBSERVE_SPAN_NAMES"
+RPC_OBSERVE_MAX_EXCEPTION_MESSAGE = "RPC_OBSERVE_MAX_EXCEPTION_MESSAGE"
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+_TRACES_EXPORTERS = ("file", "otlp", "console", "none")
+_SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+_OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The validated settings of one process."""
+
+    out_dir: str = "rpc_observe_out"
+    run_id: str = ""
+    metrics: bool = True
+    metrics_port: int | None = None  # base port; None: the OS picks one
+    metrics_addr: str = "127.0.0.1"
+    max_methods: int = 100
+    profiler_events: bool = True
+    profile: bool = False
+    profile_max_seconds: float = 300.0
+    span_names: str = "key"  # "key": torch's profiling key; "method": {rpc.method}
+    max_exception_message: int = 256
+    traces_exporters: tuple[str, ...] = ("file",)
+    otlp_protocol: str = "http/protobuf"
+    sampler: str = "parentbased_always_on"
+    sampler_ratio: float = 1.0
+    propagators: tuple[str, ...] = ("tracecontext", "baggage")
+    service_name: str = ""
+    bsp_schedule_delay_s: float = 1.0
+    bsp_max_queue_size: int = 16384
+    bsp_max_export_batch_size: int = 2048
+    bsp_export_timeout_s: float = 5.0
+
+    @property
+    def tracing(self) -> bool:
+        return bool(self.traces_exporters)
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether RPC_OBSERVE asks for instrumentation; warns once on a value it does not know."""
+    value = (os.environ if environ is None else environ).get(RPC_OBSERVE, "").strip().lower()
+    if value in _ON:
+        return True
+    if value not in _OFF:
+        _warn(RPC_OBSERVE, value, "1/true/yes/on to enable, 0/false/no/off or unset to disable; staying off")
+    return False
+
+
+def _warn(name: str, value: str, accepted: str) -> None:
+    _logger.warning("rpc_observe: %s=%r is not valid: accepted %s.", name, value, accepted)
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name)
+    if value is None:
+        return default
+    value = value.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    _warn(name, value, f"1/true/yes/on or 0/false/no/off; using {int(default)}")
+    return default
+
+
+def _number(env: Mapping[str, str], name: str, default, low, high, kind=int, scale=1):
+    """A number in [low, high]; `scale` converts the variable's unit (ms) to ours (s)."""
+    value = env.get(name)
+    number = None
+    if value is not None and value.strip() != "":
+        try:
+            number = kind(value.strip())
+        except ValueError:
+            pass
+        if number is None or not (low <= number <= high):
+            shown = "the OS's choice" if default is None else default
+            _warn(name, value, f"a {kind.__name__} from {low} to {high}; using {shown}")
+            number = None
+    if number is None:
+        number = default
+    return number / scale if number is not None and scale != 1 else number
+
+
+def _choices(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        return default
+    items = tuple(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
+    unknown = [v for v in items if v not in allowed]
+    if unknown:
+        _warn(name, value, f"a comma-separated list of {', '.join(allowed)}; ignoring {', '.join(unknown)}")
+        items = tuple(v for v in items if v in allowed) or default
+    return items
+
+
+def load(environ: Mapping[str, str] | None = None) -> Config:
+    """Reads every rpc_observe and OTEL_* variable once and returns a frozen Config."""
+    env = os.environ if environ is None else environ
+    exporters = _choices(env, "OTEL_TRACES_EXPORTER", _TRACES_EXPORTERS, ("file",))
+    if "none" in exporters:
+        exporters = ()
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    if protocol not in _OTLP_PROTOCOLS:
+        _warn("OTEL_EXPORTER_OTLP_PROTOCOL", protocol, f"{' or '.join(_OTLP_PROTOCOLS)}; using http/protobuf")
+        protocol = "http/protobuf"
+    sampler = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
+    if sampler not in _SAMPLERS:
+        _warn("OTEL_TRACES_SAMPLER", sampler, f"one of {', '.join(_SAMPLERS)}; using parentbased_always_on")
+        sampler = "parentbased_always_on"
+    ratio = 1.0
+    if sampler.endswith("traceidratio"):
+        ratio = _number(env, "OTEL_TRACES_SAMPLER_ARG", 1.0, 0.0, 1.0, kind=float)
+    span_names = (env.get(RPC_OBSERVE_SPAN_NAMES) or "key").strip().lower()
+    if span_names not in ("key", "method"):
+        _warn(RPC_OBSERVE_SPAN_NAMES, span_names, "key (torch's profiling key) or method ({rpc.method}); using key")
+        span_names = "key"
+    addr = (env.get(RPC_OBSERVE_METRICS_ADDR) or "127.0.0.1").strip()
+    return Config(
+        out_dir=env.get(RPC_OBSERVE_DIR) or "rpc_observe_out",
+        run_id=env.get(RPC_OBSERVE_RUN_ID) or env.get("TORCHELASTIC_RUN_ID") or "",
+        metrics=_flag(env, RPC_OBSERVE_METRICS, True),
+        metrics_port=_number(env, RPC_OBSERVE_METRICS_PORT, None, 1, 65535),
+        metrics_addr=addr,
+        max_methods=_number(env, RPC_OBSERVE_MAX_METHODS, 100, 1, 100_000),
+        profiler_events=_flag(env, RPC_OBSERVE_PROFILER_EVENTS, True),
+        profile=_flag(env, RPC_OBSERVE_PROFILE, False),
+        profile_max_seconds=_number(env, RPC_OBSERVE_PROFILE_MAX_SECONDS, 300.0, 1.0, 86400.0, kind=float),
+        span_names=span_names,
+        max_exception_message=_number(env, RPC_OBSERVE_MAX_EXCEPTION_MESSAGE, 256, 0, 65536),
+        traces_exporters=exporters,
+        otlp_protocol=protocol,
+        sampler=sampler,
+        sampler_ratio=ratio,
+        propagators=_choices(env, "OTEL_PROPAGATORS", ("tracecontext", "baggage", "b3", "b3multi", "jaeger", "none"), ("tracecontext", "baggage")),
+        service_name=env.get("OTEL_SERVICE_NAME", ""),
+        bsp_schedule_delay_s=_number(env, "OTEL_BSP_SCHEDULE_DELAY", 1000, 1, 3_600_000, scale=1000),
+        bsp_max_queue_size=_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 16384, 1, 10_000_000),
+        bsp_max_export_batch_size=_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 2048, 1, 10_000_000),
+        bsp_export_timeout_s=_number(env, "OTEL_BSP_EXPORT_TIMEOUT", 5000, 1, 3_600_000, scale=1000),
+    )

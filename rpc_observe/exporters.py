@@ -1,0 +1,168 @@
+"""Where span records go: OTLP JSON lines in a file, or any OpenTelemetry SDK exporter.
+
+`OTEL_TRACES_EXPORTER` picks them: `file` (the default: one OTLP/HTTP JSON export
+request per line under `$RPC_OBSERVE_DIR/spans/`), `otlp` (OTLP to a collector,
+configured by the standard `OTEL_EXPORTER_OTLP_*` variables), `console`, or `none`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Any, Iterable
+
+from . import __version__
+from .config import Config
+from .tracing import SERVER, SpanRecord
+
+_logger = logging.getLogger("rpc_observe")
+SCOPE = {"name": "rpc_observe", "version": __version__}
+
+
+def _any_value(value: Any) -> dict:
+    if isinstance(value, bool):
+        return {"boolValue": value}
+    if isinstance(value, int):
+        return {"intValue": str(value)}
+    if isinstance(value, float):
+        return {"doubleValue": value}
+    return {"stringValue": str(value)}
+
+
+def otlp_attributes(attributes: dict) -> list[dict]:
+    return [{"key": k, "value": _any_value(v)} for k, v in attributes.items()]
+
+
+class OtlpJsonFileSink:
+    """Writes each batch as one OTLP/HTTP JSON `ExportTraceServiceRequest` line."""
+
+    def __init__(self, path: str, resource_attributes: dict):
+        self.path = path
+        self._resource = {"attributes": otlp_attributes(resource_attributes)}
+        self._lock = threading.Lock()
+        self._encoded_attributes: dict[int, tuple[dict, list]] = {}
+        self._file = open(path, "a", encoding="utf-8")
+
+    def _attributes(self, attributes: dict) -> list:
+        # Call sites share one attribute dict: encode each once.
+        cached = self._encoded_attributes.get(id(attributes))
+        if cached is None or cached[0] is not attributes:
+            cached = (attributes, otlp_attributes(attributes))
+            self._encoded_attributes[id(attributes)] = cached
+        return cached[1]
+
+    def _span(self, record: SpanRecord) -> dict:
+        span = {
+            "traceId": f"{record.trace_id:032x}",
+            "spanId": f"{record.span_id:016x}",
+            "name": record.name,
+            "kind": record.kind,
+            "startTimeUnixNano": str(record.start_ns),
+            "endTimeUnixNano": str(record.end_ns),
+            "attributes": self._attributes(record.attributes),
+            "status": {"code": 0},
+        }
+        if record.parent_id:
+            span["parentSpanId"] = f"{record.parent_id:016x}"
+        if record.error_type is not None:
+            span["attributes"] = span["attributes"] + [{"key": "error.type", "value": {"stringValue": record.error_type}}]
+            span["status"] = {"code": 2, "message": record.error_message}
+            span["events"] = [{
+                "name": "exception",
+                "timeUnixNano": str(record.end_ns),
+                "attributes": otlp_attributes({"exception.type": record.error_type,
+                                               "exception.message": record.error_message}),
+            }]
+        return span
+
+    def export(self, records: Iterable[SpanRecord]) -> bool:
+        request = {"resourceSpans": [{"resource": self._resource,
+                                      "scopeSpans": [{"scope": SCOPE, "spans": [self._span(r) for r in records]}]}]}
+        line = json.dumps(request, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class SdkExporterSink:
+    """Hands span records to an OpenTelemetry SDK `SpanExporter` as `ReadableSpan`s."""
+
+    def __init__(self, exporter: Any, resource_attributes: dict):
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self.exporter = exporter
+        self._resource = Resource(resource_attributes)
+        self._scope = InstrumentationScope(SCOPE["name"], SCOPE["version"])
+
+    def _readable(self, record: SpanRecord):
+        from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        parent = SpanContext(record.trace_id, record.parent_id, record.remote_parent, flags) if record.parent_id else None
+        attributes, events, status = record.attributes, (), Status(StatusCode.UNSET)
+        if record.error_type is not None:
+            attributes = {**attributes, "error.type": record.error_type}
+            status = Status(StatusCode.ERROR, record.error_message)
+            events = (Event("exception", {"exception.type": record.error_type,
+                                          "exception.message": record.error_message}, record.end_ns),)
+        return ReadableSpan(
+            name=record.name,
+            context=SpanContext(record.trace_id, record.span_id, False, flags),
+            parent=parent,
+            resource=self._resource,
+            attributes=attributes,
+            events=events,
+            kind=SpanKind.SERVER if record.kind == SERVER else SpanKind.CLIENT,
+            status=status,
+            start_time=record.start_ns,
+            end_time=record.end_ns,
+            instrumentation_scope=self._scope,
+        )
+
+    def export(self, records: Iterable[SpanRecord]) -> bool:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return self.exporter.export([self._readable(r) for r in records]) == SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+
+def _otlp_exporter(config: Config):
+    if config.otlp_protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            return OTLPSpanExporter()
+        except ImportError:
+            _logger.warning("rpc_observe: OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the package "
+                            "opentelemetry-exporter-otlp-proto-grpc; using http/protobuf")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def build_sinks(config: Config, resource_attributes: dict, spans_dir: str | None, worker: str) -> list:
+    """The sinks for OTEL_TRACES_EXPORTER; `spans_dir` None means the file sink is unavailable."""
+    sinks: list = []
+    for name in config.traces_exporters:
+        if name == "file":
+            if spans_dir is not None:
+                path = os.path.join(spans_dir, f"{worker}-{os.getpid()}.jsonl")
+                sinks.append(OtlpJsonFileSink(path, resource_attributes))
+        elif name == "otlp":
+            sinks.append(SdkExporterSink(_otlp_exporter(config), resource_attributes))
+        elif name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            sinks.append(SdkExporterSink(ConsoleSpanExporter(), resource_attributes))
+    return sinks

@@ -1,0 +1,134 @@
+"""Patching torch.distributed.rpc, and putting it back exactly as it was.
+
+`RpcObserveInstrumentor` follows opentelemetry-instrumentation's `BaseInstrumentor`
+(a flag, `_instrument` / `_uninstrument`, safe to call twice), and is registered as an
+`opentelemetry_instrumentor` entry point for `opentelemetry-instrument`.
+If torch.distributed.rpc is not imported yet, patching waits for its import (a
+post-import hook), so a process that never imports torch never pays for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any, Collection
+
+from . import _bootstrap, _patching, _runtime, config
+
+_logger = logging.getLogger("rpc_observe")
+RPC_MODULE = "torch.distributed.rpc"
+
+
+def _patch_rpc(rpc: Any = None) -> None:
+    """Wraps the client calls, the pickler, the UDF runner, init_rpc and shutdown."""
+    from torch.distributed.rpc import api, internal
+
+    from . import _client, _pickler, _server
+
+    rpc = sys.modules[RPC_MODULE]
+    _patching.patch(api, "_invoke_rpc", _client.wrap_invoke_rpc)
+    _patching.patch(api, "remote", _client.wrap_remote)
+    _patching.share(rpc, "remote", api, "remote")
+    _patching.patch(internal, "_run_function", _server.wrap_run_function)
+    _patching.patch(internal._InternalRPCPickler, "serialize", _pickler.wrap_serialize)
+    _patching.patch(internal._InternalRPCPickler, "deserialize", _pickler.wrap_deserialize)
+    _patching.patch(rpc, "init_rpc", _wrap_init_rpc)
+    _patching.patch(api, "shutdown", _wrap_shutdown)
+    _patching.share(rpc, "shutdown", api, "shutdown")
+
+
+def _wrap_init_rpc(original):
+    def init_rpc(name, *args, **kwargs):
+        # Telemetry first: torch's init_rpc already makes (and serves) RPCs.
+        try:
+            rank = kwargs.get("rank", args[1] if len(args) > 1 else -1)
+            _runtime.start(_Settings.get(), str(name), rank if isinstance(rank, int) else None)
+        except Exception:
+            from . import _health
+
+            _health.internal_error("init_rpc")
+        return original(name, *args, **kwargs)
+
+    return init_rpc
+
+
+def _wrap_shutdown(original):
+    def shutdown(*args, **kwargs):
+        result = original(*args, **kwargs)
+        runtime = _runtime.current  # shutdown makes RPCs too: flush after it returns
+        if runtime is not None:
+            try:
+                runtime.flush()
+            except Exception:
+                from . import _health
+
+                _health.internal_error("shutdown")
+        return result
+
+    return shutdown
+
+
+class _Settings:
+    """The Config of this process, read once, when instrumentation starts."""
+
+    value: config.Config | None = None
+
+    @classmethod
+    def get(cls) -> config.Config:
+        if cls.value is None:
+            cls.value = config.load()
+        return cls.value
+
+
+def _agent_running() -> bool:
+    try:
+        from torch.distributed.rpc import api
+
+        return api._is_current_rpc_agent_set()
+    except Exception:
+        return False
+
+
+class RpcObserveInstrumentor:
+    """Instruments torch.distributed.rpc; `instrument()` and `uninstrument()` are idempotent."""
+
+    _lock = threading.Lock()
+    _instrumented = False
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ("torch >= 2.2",)
+
+    def instrument(self, **kwargs: Any) -> None:
+        with self._lock:
+            if RpcObserveInstrumentor._instrumented:
+                _logger.debug("rpc_observe: already instrumented")
+                return
+            self._instrument(**kwargs)
+            RpcObserveInstrumentor._instrumented = True
+
+    def uninstrument(self, **kwargs: Any) -> None:
+        with self._lock:
+            if not RpcObserveInstrumentor._instrumented:
+                return
+            self._uninstrument(**kwargs)
+            RpcObserveInstrumentor._instrumented = False
+
+    def _instrument(self, **kwargs: Any) -> None:
+        _Settings.get()
+        if RPC_MODULE not in sys.modules:
+            _bootstrap.on_import(RPC_MODULE, _patch_rpc)
+            return
+        _patch_rpc()
+        if _agent_running():
+            from torch.distributed.rpc import api
+
+            _logger.warning("rpc_observe: instrument() was called after init_rpc: client calls are observed, "
+                            "but server-side spans and metrics need instrument() (or RPC_OBSERVE=1) before init_rpc")
+            info = api.get_worker_info()
+            _runtime.start(_Settings.get(), info.name, info.id)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        _bootstrap.cancel(RPC_MODULE)
+        _patching.restore_all()
+        _runtime.stop()

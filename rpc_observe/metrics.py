@@ -1,0 +1,206 @@
+"""Prometheus metrics of RPC traffic, kept cheap enough for every call.
+
+prometheus_client's `Histogram.observe` costs 1-5 us and an RPC makes a dozen
+observations, so the hot path here only bumps plain lists under one lock (exact
+counts across threads, ~0.5 us a message) and a custom collector turns them into
+metric families at scrape time. Label sets are bound once per call site; function
+and peer names are capped (`RPC_OBSERVE_MAX_METHODS`), the rest become `other`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from . import _health
+
+# 50 us .. 60 s, and 64 B .. 4 GiB (powers of 4).
+LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SIZE_BUCKETS = tuple(float(64 * 4**i) for i in range(14))
+COUNT_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)
+SERIALIZATION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
+                         1e-2, 0.1, 1.0, 10.0)
+OTHER = "other"
+
+
+class _Family:
+    """One metric: its label names and, per label values, a cell (counter/gauge) or histogram."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...] | None = None):
+        self.name, self.doc, self.labels, self.buckets = name, doc, labels, buckets
+        self.children: dict[tuple[str, ...], list] = {}
+
+    def child(self, values: tuple[str, ...]) -> list:
+        """The cell for `values`: [value] for counters and gauges; [counts..., sum] for histograms."""
+        cell = self.children.get(values)
+        if cell is None:
+            cell = [0] * (len(self.buckets) + 2) if self.buckets is not None else [0]
+            cell = self.children.setdefault(values, cell)
+        return cell
+
+
+def _observe(cell: list, buckets: tuple[float, ...], value: float) -> None:
+    cell[bisect.bisect_left(buckets, value)] += 1
+    cell[-1] += value
+
+
+class Metrics(Collector):
+    """The process's RPC metrics, all labelled with its own worker name."""
+
+    def __init__(self, worker: str, max_names: int, agent_info: Callable[[], dict] | None = None):
+        self.worker = worker
+        self._max_names = max_names
+        self._names: dict[str, set] = {"method": set(), "peer": set(), "exception": set()}
+        self._agent_info = agent_info
+        self.lock = threading.Lock()
+        w = ("worker",)
+        msg = w + ("direction", "message", "method")
+        self.serialized_bytes = _Family("torch_rpc_serialized_bytes", "Pickled RPC payload size per message (tensors excluded).", msg, SIZE_BUCKETS)
+        self.serialized_tensors = _Family("torch_rpc_serialized_tensors", "Tensors in the tensor table per message.", msg, COUNT_BUCKETS)
+        self.tensor_bytes = _Family("torch_rpc_tensor_bytes", "Logical tensor bytes (numel * element_size) per message.", msg, SIZE_BUCKETS)
+        self.storage_bytes = _Family("torch_rpc_tensor_storage_bytes", "Tensor storage bytes that travel per message.", msg, SIZE_BUCKETS)
+        self.serialization_seconds = _Family("torch_rpc_serialization_seconds", "Time spent pickling or unpickling a message.", msg, SERIALIZATION_BUCKETS)
+        self.client_duration = _Family("torch_rpc_client_duration_seconds", "Client RPC duration until its future completes.", w + ("method", "mode", "dst"), LATENCY_BUCKETS)
+        self.client_requests = _Family("torch_rpc_client_requests_total", "Client RPCs started.", w + ("method", "mode", "dst"))
+        self.client_errors = _Family("torch_rpc_client_errors_total", "Client RPCs that failed, by exception.", w + ("method", "dst", "exception"))
+        self.client_in_flight = _Family("torch_rpc_client_in_flight", "Client RPCs started and not yet completed.", w + ("dst",))
+        self.client_sent_bytes = _Family("torch_rpc_client_sent_bytes_total", "Request bytes (pickle and tensor storage) sent to each peer.", w + ("dst",))
+        self.server_duration = _Family("torch_rpc_server_duration_seconds", "Server-side run time of Python UDFs.", w + ("method", "src"), LATENCY_BUCKETS)
+        self.server_errors = _Family("torch_rpc_server_errors_total", "Python UDFs that raised, by exception.", w + ("method", "src", "exception"))
+        self._histograms = (self.serialized_bytes, self.serialized_tensors, self.tensor_bytes, self.storage_bytes,
+                            self.serialization_seconds, self.client_duration, self.server_duration)
+        self._counters = (self.client_requests, self.client_errors, self.client_sent_bytes, self.server_errors)
+
+    # -- binding label sets (once per call site) --------------------------------
+    def cap(self, kind: str, name: str) -> str:
+        """`name` if fewer than RPC_OBSERVE_MAX_METHODS distinct names were seen, else `other`."""
+        seen = self._names[kind]
+        if name in seen:
+            return name
+        with self.lock:
+            if len(seen) < self._max_names:
+                seen.add(name)
+                return name
+        return OTHER
+
+    def message_cells(self, direction: str, message: str, method: str) -> tuple[list, ...]:
+        values = (self.worker, direction, message, self.cap("method", method))
+        with self.lock:
+            return (self.serialized_bytes.child(values), self.serialized_tensors.child(values),
+                    self.tensor_bytes.child(values), self.storage_bytes.child(values),
+                    self.serialization_seconds.child(values))
+
+    def observe_message(self, cells: tuple[list, ...], nbytes: int, ntensors: int,
+                        tensor_bytes: int, storage_bytes: int, seconds: float) -> None:
+        with self.lock:
+            _observe(cells[0], SIZE_BUCKETS, nbytes)
+            _observe(cells[1], COUNT_BUCKETS, ntensors)
+            _observe(cells[2], SIZE_BUCKETS, tensor_bytes)
+            _observe(cells[3], SIZE_BUCKETS, storage_bytes)
+            _observe(cells[4], SERIALIZATION_BUCKETS, seconds if seconds > 0 else 0.0)
+
+    def client_cells(self, method: str, mode: str, dst: str) -> tuple[list, list, list, list]:
+        method, dst = self.cap("method", method), self.cap("peer", dst)
+        with self.lock:
+            return (self.client_duration.child((self.worker, method, mode, dst)),
+                    self.client_requests.child((self.worker, method, mode, dst)),
+                    self.client_in_flight.child((self.worker, dst)),
+                    self.client_sent_bytes.child((self.worker, dst)))
+
+    def client_started(self, cells: tuple[list, ...]) -> None:
+        with self.lock:
+            cells[1][0] += 1  # requests
+            cells[2][0] += 1  # in flight
+
+    def client_finished(self, cells: tuple[list, ...], seconds: float) -> None:
+        with self.lock:
+            _observe(cells[0], LATENCY_BUCKETS, seconds if seconds > 0 else 0.0)
+            cells[2][0] -= 1
+
+    def observe_latency(self, cell: list, seconds: float) -> None:
+        with self.lock:
+            _observe(cell, LATENCY_BUCKETS, seconds if seconds > 0 else 0.0)
+
+    def add(self, cell: list, amount: float) -> None:
+        with self.lock:
+            cell[0] += amount
+
+    def server_cell(self, method: str, src: str) -> list:
+        values = (self.worker, self.cap("method", method), self.cap("peer", src))
+        with self.lock:
+            return self.server_duration.child(values)
+
+    def count_error(self, side: str, method: str, peer: str, exception: str) -> None:
+        family = self.client_errors if side == "client" else self.server_errors
+        values = (self.worker, self.cap("method", method), self.cap("peer", peer), self.cap("exception", exception))
+        with self.lock:
+            family.child(values)[0] += 1
+
+    # -- scrape -------------------------------------------------------------------
+    def collect(self) -> Iterator:
+        with self.lock:
+            snapshot = [(f, [(k, list(v)) for k, v in f.children.items()])
+                        for f in self._histograms + self._counters + (self.client_in_flight,)]
+        for family, children in snapshot:
+            if family.buckets is not None:
+                metric = HistogramMetricFamily(family.name, family.doc, labels=family.labels)
+                for values, cell in children:
+                    cumulative, buckets = 0, []
+                    for bound, count in zip(family.buckets + (float("inf"),), cell[:-1]):
+                        cumulative += count
+                        buckets.append((_le(bound), cumulative))
+                    metric.add_metric(values, buckets, cell[-1])
+            elif family.name.endswith("_total"):
+                metric = CounterMetricFamily(family.name.removesuffix("_total"), family.doc, labels=family.labels)
+                for values, cell in children:
+                    metric.add_metric(values, cell[0])
+            else:
+                metric = GaugeMetricFamily(family.name, family.doc, labels=family.labels)
+                for values, cell in children:
+                    metric.add_metric(values, cell[0])
+            yield metric
+        yield from self._collect_health()
+        yield from self._collect_agent()
+
+    def _collect_health(self) -> Iterator:
+        errors = CounterMetricFamily("rpc_observe_internal_errors", "Exceptions caught in rpc_observe's own code.", labels=("worker", "where"))
+        for where, count in sorted(_health.internal_errors.items()):
+            errors.add_metric((self.worker, where), count)
+        yield errors
+        dropped = CounterMetricFamily("rpc_observe_spans_dropped", "Spans dropped: queue full, exporter failed or timed out.", labels=("worker",))
+        dropped.add_metric((self.worker,), _health.spans_dropped[0])
+        yield dropped
+        invalid = CounterMetricFamily("rpc_observe_invalid_context", "Malformed trace contexts received from peers (ignored).", labels=("worker",))
+        invalid.add_metric((self.worker,), _health.invalid_contexts[0])
+        yield invalid
+
+    def _collect_agent(self) -> Iterator:
+        try:
+            info = self._agent_info() if self._agent_info else None
+        except Exception:
+            info = None  # no agent (before init_rpc or after shutdown): nothing to report
+        if not info:
+            return
+        gauges = (("torch_rpc_agent_threads", "RPC agent thread pool size.", "agent.thread_pool_size", 1.0),
+                  ("torch_rpc_agent_idle_threads", "Idle threads in the RPC agent's pool.", "agent.num_idle_threads", 1.0),
+                  ("torch_rpc_agent_gil_wait_seconds", "Average GIL wait time of the agent's threads (needs GIL profiling on).", "agent.gil_average_wait_time_us", 1e-6))
+        for name, doc, key, scale in gauges:
+            if key in info:
+                gauge = GaugeMetricFamily(name, doc, labels=("worker",))
+                gauge.add_metric((self.worker,), float(info[key]) * scale)
+                yield gauge
+        active = GaugeMetricFamily("torch_rpc_agent_active_calls", "Calls in progress in the RPC agent.", labels=("worker", "side"))
+        for side, key in (("client", "agent.client_active_calls"), ("server", "agent.server_active_calls"),
+                          ("async", "agent.server_active_async_calls")):
+            if key in info:
+                active.add_metric((self.worker, side), float(info[key]))
+        yield active
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)

@@ -1,0 +1,87 @@
+"""The context rpc_observe carries inside a pickled RPC message.
+
+torch's unpickler stops at the pickle STOP opcode and ignores what follows, so the
+context is appended after the pickle as a trailer:
+
+    <fields, UTF-8, separated by 0x1f> <length: 2 bytes, little endian> b"\\x00rpcobs1"
+
+A peer without rpc_observe (or with it switched off) unpickles the message exactly as
+before; a peer with it finds the magic at the very end. Requests carry the caller's
+worker name, the exec mode and the trace context (the propagator's carrier); responses
+carry the method, so that the caller can label the response's metrics.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from . import _health
+
+MAGIC = b"\x00rpcobs1"
+_MAX_PAYLOAD = 2048  # a peer's trailer is never trusted beyond this many bytes
+_SEP = "\x1f"
+_REQUEST = "q"
+_RESPONSE = "r"
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def _trailer(fields: list[str]) -> bytes:
+    payload = _SEP.join(fields).encode("utf-8", "replace")[:_MAX_PAYLOAD]
+    return payload + len(payload).to_bytes(2, "little") + MAGIC
+
+
+def request_trailer(src: str, mode: str, carrier: Mapping[str, str]) -> bytes:
+    """The trailer of a request: who calls, how, and the trace context."""
+    fields = [_REQUEST, src, mode]
+    fields.extend(f"{k}={v}" for k, v in carrier.items())
+    return _trailer(fields)
+
+
+def response_trailer(method: str) -> bytes:
+    return _trailer([_RESPONSE, method])
+
+
+def split(data: bytes) -> tuple[int, list[str] | None]:
+    """Returns (length of the pickle without the trailer, the trailer's fields or None).
+
+    A malformed trailer from a peer is counted and ignored; it never raises.
+    """
+    if data[-8:] != MAGIC:
+        return len(data), None
+    try:
+        size = int.from_bytes(data[-10:-8], "little")
+        if size > _MAX_PAYLOAD or size + 10 > len(data):
+            raise ValueError("trailer length out of range")
+        fields = bytes(data[-10 - size : -10]).decode("utf-8").split(_SEP)
+        if fields[0] not in (_REQUEST, _RESPONSE):
+            raise ValueError("unknown trailer kind")
+        return len(data) - size - 10, fields
+    except Exception:
+        _health.invalid_context()
+        return len(data), None
+
+
+def carrier_of(fields: list[str]) -> dict[str, str]:
+    """The propagator carrier of a request trailer's fields (from the fourth on)."""
+    carrier = {}
+    for item in fields[3:16]:
+        key, sep, value = item.partition("=")
+        if sep:
+            carrier[key] = value
+    return carrier
+
+
+def format_traceparent(trace_id: int, span_id: int, sampled: bool) -> str:
+    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
+
+
+def parse_traceparent(value: str) -> tuple[int, int, bool] | None:
+    """(trace_id, span_id, sampled) of a W3C traceparent, or None if it is not valid."""
+    match = _TRACEPARENT.fullmatch(value) if len(value) == 55 else None
+    if match is None or match.group(1) == "ff":
+        return None
+    trace_id, span_id = int(match.group(2), 16), int(match.group(3), 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, bool(int(match.group(4), 16) & 1)

@@ -1,0 +1,145 @@
+"""RPC workloads run by the end-to-end tests, in real worker processes.
+
+Run as `python scenarios.py NAME RANK WORLD_SIZE INIT_FILE RESULT_FILE`: each process
+joins torch RPC on 127.0.0.1 (TensorPipe, file:// rendezvous) as `worker{RANK}`; rank 0
+drives the scenario and every rank writes what it saw to RESULT_FILE as JSON. The
+add-on is switched on only by the environment the test gives the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+MARKER = "SECRET-MARKER-7f3a"
+
+
+# -- functions called over RPC (module level, so every worker can unpickle them) ----
+def add(t, n):
+    return t + n
+
+
+def fail(kind):
+    if kind == "key":
+        raise KeyError(f"missing {kind}")
+    raise ValueError(f"bad {kind}")
+
+
+def sleep_for(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def nested(t, hops):
+    """Calls the next worker, `hops` more times: a chain across workers is one trace."""
+    me = rpc.get_worker_info()
+    if hops == 0:
+        return t + 1, [me.name]
+    nxt = f"worker{(me.id + 1) % rpc.api._get_current_rpc_agent().get_worker_infos().__len__()}"
+    value, path = rpc.rpc_sync(nxt, nested, args=(t, hops - 1))
+    return value + 1, [me.name] + path
+
+
+@rpc.functions.async_execution
+def async_add(t, n, delay):
+    fut = Future()
+
+    def _complete():
+        time.sleep(delay)
+        fut.set_result(t + n)
+
+    threading.Thread(target=_complete, daemon=True).start()
+    return fut
+
+
+@torch.jit.script
+def script_add(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t + n
+
+
+class Counter:
+    def __init__(self):
+        self.value = 0
+
+    def incr(self, n=1):
+        self.value += n
+        return self.value
+
+    def get(self):
+        return self.value
+
+
+def view_size(t):
+    """What travelled: the received tensor's own and storage bytes."""
+    return [t.numel() * t.element_size(), t.untyped_storage().nbytes()]
+
+
+def _outcome(fn):
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - the scenario records what torch raised
+        return {"error": type(e).__name__}
+    return {"value": _plain(value)}
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# -- scenarios (rank 0 drives) -------------------------------------------------------
+def basic(world):
+    t = torch.ones(4)
+    out = {}
+    out["sync"] = _outcome(lambda: rpc.rpc_sync("worker1", add, args=(t, 1)))
+    out["async"] = _outcome(lambda: rpc.rpc_async("worker1", add, args=(t, 2)).wait())
+    out["remote"] = _outcome(lambda: rpc.remote("worker2", add, args=(t, 3)).to_here())
+    out["builtin"] = _outcome(lambda: rpc.rpc_sync("worker1", torch.add, args=(t, 4)))
+    out["script"] = _outcome(lambda: rpc.rpc_sync("worker2", script_add, args=(t, 5)))
+    out["async_execution"] = _outcome(lambda: rpc.rpc_async("worker1", async_add, args=(t, 6, 0.2)).wait())
+    out["nested"] = _outcome(lambda: rpc.rpc_sync("worker1", nested, args=(t, 2)))
+    out["fail_value"] = _outcome(lambda: rpc.rpc_sync("worker1", fail, args=("value",)))
+    out["fail_key_sync"] = _outcome(lambda: rpc.rpc_sync("worker2", fail, args=("key",)))
+    out["fail_key_remote"] = _outcome(lambda: rpc.remote("worker2", fail, args=("key",)).to_here())
+    counter = rpc.remote("worker1", Counter)
+    out["proxy_sync"] = _outcome(lambda: counter.rpc_sync().incr(1))
+    out["proxy_async"] = _outcome(lambda: counter.rpc_async().incr(2).wait())
+    out["proxy_remote"] = _outcome(lambda: counter.remote().get().to_here())
+    out["timeout"] = _outcome(lambda: rpc.rpc_sync("worker2", sleep_for, args=(1.5,), timeout=0.3))
+    return out
+
+
+SCENARIOS = {"basic": basic}
+
+
+def main() -> None:
+    name, rank, world, init_file, result_file = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", num_worker_threads=16,
+                                              _transports=["uv"], _channels=["basic"])
+    profile_dir = os.environ.get("SCENARIO_PROFILE_DIR")
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile_dir else None
+    if profiler:
+        profiler.start()
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    result = SCENARIOS[name](world) if rank == 0 else {}
+    rpc.shutdown()
+    if profiler:
+        profiler.stop()
+        profiler.export_chrome_trace(os.path.join(profile_dir, f"worker{rank}.json"))
+    with open(result_file, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
