@@ -67,18 +67,18 @@ class ProfilerEvents:
         with open(path, encoding="utf-8") as f:
             trace = json.load(f)
         events = trace.get("traceEvents", [])
-        base_us = trace.get("baseTimeNanoseconds", 0) / 1000.0
+        base_ns = trace.get("baseTimeNanoseconds", 0)
         spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("ph") == "X" and "ts" in e]
         pid = os.getpid()
         if spans:
-            low = (min(s for s, _ in spans) + base_us) * 1000
-            high = (max(e for _, e in spans) + base_us) * 1000
+            low = min(s for s, _ in spans) * 1000 + base_ns
+            high = max(e for _, e in spans) * 1000 + base_ns
             tids = set()
             for key, kind, start, end, tid, trace_id, span_id in list(self._ring):
                 if start >= low and end <= high:
                     tids.add(tid)
                     events.append({"ph": "X", "cat": CATEGORY, "name": key, "pid": pid, "tid": tid,
-                                   "ts": start / 1000.0 - base_us, "dur": (end - start) / 1000.0,
+                                   "ts": (start - base_ns) / 1000.0, "dur": (end - start) / 1000.0,
                                    "args": {"kind": kind, "trace_id": trace_id, "span_id": span_id}})
             for tid in tids:
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
