@@ -119,7 +119,78 @@ def basic(world):
     return out
 
 
-SCENARIOS = {"basic": basic}
+def _pickled_len(func, args):
+    """len() of the pickle torch sends for this call, by torch's own (unwrapped) pickler."""
+    from torch.distributed.rpc import internal
+
+    serialize = internal._InternalRPCPickler.serialize
+    serialize = getattr(serialize, "__rpc_observe_original__", serialize)
+    data, tensors = serialize(internal._internal_rpc_pickler, internal.PythonUDF(func, args, {}))
+    return len(data), len(tensors)
+
+
+def metrics(world):
+    """Known calls, so that the test can check the counters exactly."""
+    t = torch.ones(4)
+    calls = {"add_sync": 7, "add_async": 5, "add_remote": 3, "fail": 2, "threads": 16, "per_thread": 25}
+    for _ in range(calls["add_sync"]):
+        rpc.rpc_sync("worker1", add, args=(t, 1))
+    futs = [rpc.rpc_async("worker2", add, args=(t, 1)) for _ in range(calls["add_async"])]
+    torch.futures.wait_all(futs)
+    for _ in range(calls["add_remote"]):
+        rpc.remote("worker2", add, args=(t, 1)).to_here()
+    for _ in range(calls["fail"]):
+        try:
+            rpc.rpc_sync("worker1", fail, args=("value",))
+        except ValueError:
+            pass
+    # A small view of a big storage, and a big view of one: what travels differs.
+    big = torch.zeros(1 << 20)  # 4 MiB storage
+    small_view, large_view = big[:1000], big[: (1 << 20) - 1000]
+    received = [rpc.rpc_sync("worker1", view_size, args=(v,)) for v in (small_view, large_view)]
+    many = [torch.ones(3) for _ in range(6)]
+    rpc.rpc_sync("worker1", view_size_many, args=(many,))
+
+    def _hammer():
+        for _ in range(calls["per_thread"]):
+            rpc.rpc_sync("worker1", echo, args=(t,))
+
+    threads = [threading.Thread(target=_hammer) for _ in range(calls["threads"])]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return {
+        "calls": calls,
+        "received": received,
+        "views": [[v.numel() * v.element_size(), v.untyped_storage().nbytes()] for v in (small_view, large_view)],
+        "add_request": _pickled_len(add, (t, 1)),
+        "many_request": _pickled_len(view_size_many, (many,)),
+    }
+
+
+def echo(t):
+    return t
+
+
+def view_size_many(ts):
+    return len(ts)
+
+
+def marker(world):
+    """Arguments and return values carry a marker string that must never be exported."""
+    t = torch.ones(2)
+    rpc.rpc_sync("worker1", echo_kw, args=(MARKER,), kwargs={"secret": MARKER, "t": t})
+    rpc.rpc_async("worker2", echo_kw, args=(MARKER,), kwargs={"secret": MARKER, "t": t}).wait()
+    rpc.remote("worker1", echo_kw, args=(MARKER,), kwargs={"secret": MARKER, "t": t}).to_here()
+    return {"ok": True}
+
+
+def echo_kw(value, secret=None, t=None):
+    return value, secret, t
+
+
+SCENARIOS = {"basic": basic, "metrics": metrics, "marker": marker}
 
 
 def main() -> None:
@@ -133,6 +204,16 @@ def main() -> None:
         profiler.start()
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     result = SCENARIOS[name](world) if rank == 0 else {}
+    hold = os.environ.get("SCENARIO_HOLD")
+    if hold and rank == 0:
+        # Keep every worker's endpoint up (the others wait in shutdown) until the test releases us.
+        ready = os.path.join(os.path.dirname(hold), "ready")
+        with open(ready + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(ready + ".tmp", ready)
+        deadline = time.monotonic() + 120
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
     rpc.shutdown()
     if profiler:
         profiler.stop()

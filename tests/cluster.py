@@ -1,0 +1,137 @@
+"""Runs a scenario of tests/scenarios.py in real worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCENARIOS = HERE / "scenarios.py"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without any rpc_observe or OTEL setting, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RPC_OBSERVE", "OTEL_", "SCENARIO_"))}
+    env.update(extra)
+    return env
+
+
+class Cluster:
+    """`world` processes running one scenario; rank 0 drives it.
+
+    With `hold=True`, rank 0 waits after the scenario (endpoints alive) until `release()`.
+    """
+
+    def __init__(self, tmp_path: Path, scenario: str, world: int = 3, env: dict | None = None,
+                 rank_env: dict[int, dict] | None = None, hold: bool = False, args: str = ""):
+        self.dir = Path(tmp_path)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = self.dir / "out"
+        self.world = world
+        self.procs: list[subprocess.Popen] = []
+        self.hold_file = self.dir / "hold"
+        self.ready_file = self.dir / "ready"
+        base = clean_env(RPC_OBSERVE_DIR=str(self.out_dir), RPC_OBSERVE_RUN_ID=f"test-{self.dir.name}",
+                         SCENARIO_ARGS=args, PYTHONUNBUFFERED="1", **(env or {}))
+        if hold:
+            self.hold_file.write_text("hold")
+            base["SCENARIO_HOLD"] = str(self.hold_file)
+        init = self.dir / "init"
+        for rank in range(world):
+            proc_env = {**base, **((rank_env or {}).get(rank, {}))}
+            log = open(self.dir / f"log{rank}.txt", "w")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(SCENARIOS), scenario, str(rank), str(world), str(init),
+                 str(self.dir / f"result{rank}.json")],
+                env=proc_env, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir))
+
+    def log(self, rank: int) -> str:
+        return (self.dir / f"log{rank}.txt").read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90) -> dict:
+        """Waits for rank 0 to finish the scenario while holding; returns its result."""
+        deadline = time.monotonic() + timeout
+        while not self.ready_file.exists():
+            if any(p.poll() not in (None, 0) for p in self.procs) or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError("scenario did not get ready:\n" + self.log(0)[-3000:])
+            time.sleep(0.1)
+        return json.loads(self.ready_file.read_text())
+
+    def release(self) -> None:
+        self.hold_file.unlink(missing_ok=True)
+
+    def wait(self, timeout: float = 120) -> list[dict]:
+        """Waits for every process to exit 0; returns each rank's result."""
+        self.release()
+        deadline = time.monotonic() + timeout
+        for rank, proc in enumerate(self.procs):
+            try:
+                code = proc.wait(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"rank {rank} hung:\n" + self.log(rank)[-3000:])
+            assert code == 0, f"rank {rank} exited {code}:\n" + self.log(rank)[-3000:]
+        return [json.loads((self.dir / f"result{r}.json").read_text()) for r in range(self.world)]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    def targets(self) -> dict[str, str]:
+        """worker -> host:port, from the file_sd target files the workers wrote."""
+        found = {}
+        for path in glob.glob(str(self.out_dir / "targets" / "*.json")):
+            for group in json.loads(Path(path).read_text()):
+                found[Path(path).stem] = group["targets"][0]
+        return found
+
+    def spans(self) -> list[dict]:
+        return read_spans(self.out_dir)
+
+
+def read_spans(out_dir: Path) -> list[dict]:
+    """Every span in the OTLP JSON span files, with its worker added as `worker`."""
+    spans = []
+    for path in sorted(glob.glob(str(Path(out_dir) / "spans" / "*.jsonl"))):
+        for line in Path(path).read_text().splitlines():
+            for resource_spans in json.loads(line)["resourceSpans"]:
+                resource = attributes(resource_spans["resource"])
+                for scope_spans in resource_spans["scopeSpans"]:
+                    for span in scope_spans["spans"]:
+                        span["worker"] = resource["torch.rpc.worker"]
+                        span["attrs"] = attributes(span)
+                        span["resource"] = resource
+                        spans.append(span)
+    return spans
+
+
+def attributes(obj: dict) -> dict:
+    out = {}
+    for item in obj.get("attributes", []):
+        value = item["value"]
+        out[item["key"]] = next(iter(value.values()))
+    return out
+
+
+def scrape(target: str) -> str:
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def samples(text: str) -> list[tuple[str, dict, float]]:
+    """(name, labels, value) of every sample, parsed with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def total(parsed: list, name: str, **labels: str) -> float:
+    return sum(v for n, l, v in parsed if n == name and all(l.get(k) == want for k, want in labels.items()))
