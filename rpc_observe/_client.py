@@ -16,6 +16,10 @@ import time
 from . import _health, _runtime, propagation
 
 local = threading.local()  # .call: the client call being serialized on this thread
+# Method of the UDF whose response is pickled next on a thread, keyed by thread id: torch's
+# pool threads get a fresh Python thread state (and empty threading.local) every time they
+# take the GIL, between running a UDF and pickling its response.
+pending_replies: dict[int, str] = {}
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
 

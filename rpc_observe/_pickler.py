@@ -9,11 +9,13 @@ number of tensors, not with their bytes.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from . import _client, _health, _runtime, propagation
 
 _perf_counter = time.perf_counter
+_thread_id = threading.get_ident
 _UNKNOWN = "unknown"
 # torch clones a tensor before sending it when it is a small view of a big storage
 # (torch/csrc/distributed/rpc/utils.cpp, cloneSparseTensors): then only its own
@@ -53,8 +55,7 @@ def _on_serialize(runtime, obj, data: bytes, tensors, seconds: float) -> bytes:
         cells = call.site.request_cells
         trailer = call.request_trailer()
     else:
-        method = getattr(_client.local, "reply_method", None)
-        _client.local.reply_method = None
+        method = _client.pending_replies.pop(_thread_id(), None)
         trailer = propagation.response_trailer(method) if method is not None else b""
         cells = _message_cells(runtime, "serialize", "response", method or _UNKNOWN) if runtime.metrics else None
     metrics = runtime.metrics

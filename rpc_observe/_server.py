@@ -16,6 +16,7 @@ from . import _client, _health, _runtime, propagation
 
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
+_thread_id = threading.get_ident
 UNKNOWN = "unknown"
 
 
@@ -102,7 +103,7 @@ class Serving:
         else:
             self.finish(None, None)
         if self.site.replies:
-            _client.local.reply_method = self.site.method
+            _client.pending_replies[_thread_id()] = self.site.method
 
 
 def wrap_run_function(original):
