@@ -22,7 +22,7 @@ _start_lock = threading.Lock()
 class Runtime:
     """Metrics, tracer and profiler events of this process, labelled with its worker name."""
 
-    def __init__(self, config: Config, worker: str, rank: int | None):
+    def __init__(self, config: Config, worker: str, rank: int | None, world_size: int | None = None):
         self.config = config
         self.worker = worker
         self.run_id = config.run_id
@@ -33,6 +33,7 @@ class Runtime:
         self.target_path: str | None = None
         self.spans_path: str | None = None
         self._server = None
+        self.profile_session = None
         self.client_sites: dict = {}
         self.server_sites: dict = {}
         self.message_sites: dict = {}
@@ -46,6 +47,11 @@ class Runtime:
 
             self.profiler = ProfilerEvents(worker, self.run_id)
             self.profiler.patch_profiler()
+        if config.profile and out_dir is not None:
+            from .profiler_events import ProfileSession
+
+            path = os.path.join(out_dir, "profiler", f"{worker}.json")
+            self.profile_session = ProfileSession(path, worker, rank, world_size, config.profile_max_seconds)
 
     def _make_out_dir(self) -> str | None:
         out_dir = self.config.out_dir
@@ -101,7 +107,12 @@ class Runtime:
         if self.tracer is not None:
             self.tracer.flush()
 
+    def finish_profile(self) -> None:
+        if self.profile_session is not None:
+            self.profile_session.finish()
+
     def close(self) -> None:
+        self.finish_profile()
         if self.tracer is not None:
             self.tracer.shutdown()
         if self._server is not None:
@@ -120,14 +131,14 @@ def _agent_debug_info() -> dict:
     return api._get_current_rpc_agent().get_debug_info()
 
 
-def start(config: Config, worker: str, rank: int | None) -> Runtime | None:
+def start(config: Config, worker: str, rank: int | None, world_size: int | None = None) -> Runtime | None:
     """Starts this process's telemetry once; later calls return the running one."""
     global current
     with _start_lock:
         if current is not None:
             return current
         try:
-            current = Runtime(config, worker, rank)
+            current = Runtime(config, worker, rank, world_size)
         except Exception:
             _health.internal_error("start")
             return None

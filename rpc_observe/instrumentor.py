@@ -43,7 +43,9 @@ def _wrap_init_rpc(original):
         # Telemetry first: torch's init_rpc already makes (and serves) RPCs.
         try:
             rank = kwargs.get("rank", args[1] if len(args) > 1 else -1)
-            _runtime.start(_Settings.get(), str(name), rank if isinstance(rank, int) else None)
+            world_size = kwargs.get("world_size", args[2] if len(args) > 2 else None)
+            _runtime.start(_Settings.get(), str(name), rank if isinstance(rank, int) else None,
+                           world_size if isinstance(world_size, int) else None)
         except Exception:
             from . import _health
 
@@ -60,6 +62,7 @@ def _wrap_shutdown(original):
         if runtime is not None:
             try:
                 runtime.flush()
+                runtime.finish_profile()
             except Exception:
                 from . import _health
 

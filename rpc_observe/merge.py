@@ -473,9 +473,11 @@ def merge(
             c = spans.get((s.trace_id, s.parent_id))
             if c is not None and c.kind == KIND_CLIENT:
                 pairs.append((c, s))
+    # A failed client (timeout, lost peer) may end before its server does: such a pair
+    # says nothing about the clocks.
     clock = estimate_offsets(
         [RpcPair(c.worker, s.worker, rel(c.start_ns), rel(c.end_ns), rel(s.start_ns), rel(s.end_ns))
-         for c, s in pairs],
+         for c, s in pairs if c.status_code != 2],
         workers,
     )
     off = clock.offsets_us

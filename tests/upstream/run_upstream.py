@@ -1,26 +1,30 @@
 #!/usr/bin/env python
 """Runs torch's own RPC test suite with the add-on off and on, and compares the outcomes.
 
-torch ships its RPC tests in the wheel (`torch.testing._internal.distributed.rpc`);
-`rpc_utils.generate_tests` mixes them with the TensorPipe fixture, exactly as torch's
-`test/distributed/rpc/test_tensorpipe_agent.py` does. Each test is a
-`MultiProcessTestCase`: the pytest process spawns one process per rank
-(multiprocessing "spawn", file:// init), and every spawned rank inherits the
-environment of the pytest process, so `RPC_OBSERVE=1` instruments each rank through
-the installed `rpc_observe.pth` before its `init_rpc`.
-
     python tests/upstream/run_upstream.py [--full] [--addon on|off|both] [-k EXPR] [--junit DIR]
 
-Without --full the curated SUBSET below runs (a few minutes); --full runs every
-generated TensorPipe test (hundreds; long). With --addon both (the default) the
-subset runs twice, once without the add-on and once with it, in a pytest subprocess
-each, and the outcomes are compared test by test: a test that passes without the
-add-on and fails with it is a regression (exit status 1). Tests that fail or skip
-even without the add-on are listed as "not ours". The add-on is proven active in the
-ranks by the span files they write to RPC_OBSERVE_DIR; the off run must write none.
+torch ships its RPC tests in the wheel (`torch.testing._internal.distributed.rpc`);
+`rpc_utils.generate_tests` mixes them with the TensorPipe fixture, as torch's
+`test/distributed/rpc/test_tensorpipe_agent.py` does. Each test is a
+`MultiProcessTestCase`: the pytest process starts one process per rank (file:// init),
+and every rank inherits the pytest process's environment, so with `RPC_OBSERVE=1` each
+rank is instrumented by the installed `rpc_observe.pth` before its `init_rpc`.
 
-This same file is also the test module that the inner pytest collects: imported
-under its module name (not run as a script), it defines the generated test classes.
+Without --full the curated SUBSET below runs; --full runs every generated TensorPipe
+test (436). With --addon both (the default) the selection runs twice, in one pytest
+subprocess per mode: without the add-on (RPC_OBSERVE unset), then with it
+(RPC_OBSERVE=1, RPC_OBSERVE_DIR=<temp dir>). Outcomes are compared per test id (junit
+xml): a test that passes without the add-on and fails with it, also on a rerun, is a
+regression (exit status 1); tests that fail or skip without the add-on too are
+listed as "not ours". That the add-on really ran in the ranks is checked from the
+span files they write, matched to each test's rank pids; the off run must write none.
+
+Ranks start with torch's "spawn" only for SPAWN_TESTS by default; the other tests fork
+them from a forkserver, itself a fresh interpreter with the same environment (see
+_spawn_processes): ~0.5 s a test instead of ~6 s. --start-method spawn runs all as torch does.
+
+This file is also the test module of the inner pytest: imported under its module name
+(by pytest, or by a spawned rank), it defines the generated test classes.
 """
 
 from __future__ import annotations
@@ -58,9 +62,14 @@ SUBSET = [
     "TensorPipeRpcTest.test_py_nested_pickle",
     "TensorPipeRpcTest.test_nested_rpc",
     "TensorPipeRpcTest.test_multi_layer_nested_async_rpc",
+    "TensorPipeRpcTest.test_stress_light_rpc",
+    "TensorPipeRpcTest.test_rpc_barrier_multithreaded",
+    # The pickler: a custom pickler, non-contiguous and sparse (storage-less) tensors, futures.
     "TensorPipeRpcTest.test_use_rpc_pickler",
     "TensorPipeRpcTest.test_non_cont_tensors",
+    "TensorPipeRpcTest.test_pickle_future",
     "TensorPipeTensorPipeAgentRpcTest.test_send_to_rank_sparse",
+    "TensorPipeTensorPipeAgentRpcTest.test_py_sparse_tensors_in_container",
     # Builtins (C++ ops: no Python UDF, no pickled request).
     "TensorPipeRpcTest.test_add",
     "TensorPipeRpcTest.test_async_add",
@@ -70,12 +79,18 @@ SUBSET = [
     # TorchScript functions and modules over RPC.
     "TensorPipeJitRpcTest.test_torchscript_function",
     "TensorPipeJitRpcTest.test_torchscript_functions_not_supported",
+    "TensorPipeJitRpcTest.test_call_script_function_that_raises_remotely_from_script",
     "TensorPipeJitRpcTest.test_rref_as_arg_and_return",
     "TensorPipeJitRpcTest.test_async_script_udf",
     "TensorPipeJitRpcTest.test_remote_script_module",
-    "TensorPipeJitRpcTest.test_call_rpc_with_profiling",
+    "TensorPipeJitRpcTest.test_async_function_remote",
     "TensorPipeJitDistAutogradTest.test_get_gradients",
-    # RRefs: remote(), owner/user RRefs, forwarding, and the RRef proxies.
+    # init_rpc and shutdown (both wrapped): twice, without rank, dynamic membership, after shutdown.
+    "TensorPipeRpcTest.test_init_rpc_twice",
+    "TensorPipeRpcTest.test_shutdown_followed_by_rpc",
+    "TensorPipeTensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc_without_rank",
+    "TensorPipeTensorPipeAgentRpcTest.test_dynamic_rpc_new_rank_can_communicated_with_existing_rank",
+    # RRefs: remote(), owner/user RRefs, forwarding, reference counting, and the RRef proxies.
     "TensorPipeRpcTest.test_py_udf_remote",
     "TensorPipeRpcTest.test_builtin_remote_ret",
     "TensorPipeRpcTest.test_nested_remote",
@@ -83,22 +98,26 @@ SUBSET = [
     "TensorPipeRpcTest.test_rref_forward_chain",
     "TensorPipeRpcTest.test_py_rref_args_user_share",
     "TensorPipeRpcTest.test_self_remote_rref_as_rpc_arg",
-    "TensorPipeRpcTest.test_rref_proxy_tensor",
-    "TensorPipeRpcTest.test_rref_proxy_class",
-    "TensorPipeTensorPipeAgentRpcTest.test_rref_proxy_timeout",
     "TensorPipeRpcTest.test_rref_type_blocking",
     "TensorPipeRpcTest.test_rref_get_future",
+    "TensorPipeRpcTest.test_rref_context_debug_info",
+    "TensorPipeRpcTest.test_rref_leak",
+    "TensorPipeRpcTest.test_user_rrefs_confirmed",
     "TensorPipeRpcTest.test_owner_rref_backward",
+    "TensorPipeRpcTest.test_rref_proxy_tensor",
+    "TensorPipeRpcTest.test_rref_proxy_class",
+    "TensorPipeRpcTest.test_async_class_rref_proxy_async",
+    "TensorPipeRpcTest.test_async_class_rref_proxy_remote",
+    "TensorPipeRemoteModuleTest.test_forward_async",
     # @rpc.functions.async_execution (the UDF returns a Future; the server span ends with it).
     "TensorPipeRpcTest.test_async_function_simple",
     "TensorPipeRpcTest.test_async_function_chained_remote",
     "TensorPipeRpcTest.test_async_function_nested",
     "TensorPipeRpcTest.test_async_function_raise",
     "TensorPipeRpcTest.test_async_function_wrong_return_type",
-    "TensorPipeRpcTest.test_async_class_rref_proxy_async",
     "TensorPipeRpcTest.test_async_function_multi_fanout",
     "TensorPipeRpcTest.test_return_future",
-    # Exceptions (remote, in user code, during unpickling) and timeouts.
+    # Exceptions (remote, in user code, unknown function, during unpickling) and timeouts.
     "TensorPipeRpcTest.test_py_function_exception",
     "TensorPipeRpcTest.test_py_raise_in_user_func",
     "TensorPipeRpcTest.test_py_raise_in_user_func_escaped_str",
@@ -107,28 +126,37 @@ SUBSET = [
     "TensorPipeRpcTest.test_function_not_on_callee",
     "TensorPipeRpcTest.test_wait_all_raise_in_user_func",
     "TensorPipeRpcTest.test_callback_with_error",
+    "TensorPipeRpcTest.test_handle_send_exceptions",
     "TensorPipeRpcTest.test_rpc_timeouts",
     "TensorPipeRpcTest.test_default_timeout_used",
     "TensorPipeRpcTest.test_rref_timeout",
+    "TensorPipeRpcTest.test_wait_all_timeout",
     "TensorPipeTensorPipeAgentRpcTest.test_tensorpipe_set_default_timeout",
-    # The legacy (autograd) profiler over RPC: remote events, keys, exported traces.
+    # The legacy (autograd) profiler over RPC: remote events, keys, record_function, exported traces.
     "TensorPipeRpcTest.test_profiler_with_sync_rpc_udf",
     "TensorPipeRpcTest.test_profiler_with_async_rpc_builtin",
     "TensorPipeRpcTest.test_profiler_with_remote_udf",
     "TensorPipeRpcTest.test_profiler_with_script_async_rpc",
+    "TensorPipeRpcTest.test_profiler_with_autograd_context",
     "TensorPipeRpcTest.test_profiler_remote_events_profiled",
     "TensorPipeRpcTest.test_profiler_export_trace",
     "TensorPipeRpcTest.test_profiler_rpc_record_shapes",
+    "TensorPipeRpcTest.test_profiler_rpc_memory",
     "TensorPipeRpcTest.test_rpc_profiling_remote_record_function",
     "TensorPipeRpcTest.test_rpc_profiling_async_function",
+    "TensorPipeRpcTest.test_async_record_function_double_end_callbacks",
     "TensorPipeRpcTest.test_async_record_function_cbs_jit_call",
     "TensorPipeRpcTest.test_server_process_global_profiler",
     "TensorPipeRpcTest.test_profiler_rpc_key_names",  # skipped on Linux by torch (issue 125365)
-    # Distributed autograd (its messages go through the same agent and pickler).
+    "TensorPipeJitRpcTest.test_rpc_torchscript_record_function",
+    "TensorPipeJitRpcTest.test_call_rpc_with_profiling",
+    "TensorPipeDistAutogradTest.test_dist_autograd_profiling",
+    # Distributed autograd and optimizer (their messages go through the same agent).
     "TensorPipeDistAutogradTest.test_backward_simple_python_udf",
     "TensorPipeDistAutogradTest.test_backward_multiple_round_trips",
     "TensorPipeDistAutogradTest.test_rpc_complex_args",
     "TensorPipeDistAutogradTest.test_backward_rref",
+    "TensorPipeDistOptimizerTest.test_dist_optim",
     # The examples: batch-updating parameter server, and reinforcement learning.
     "TensorPipeParameterServerTest.test_batch_updating_parameter_server",
     "TensorPipeReinforcementLearningRpcTest.test_rl_rpc",
@@ -136,12 +164,11 @@ SUBSET = [
 
 # In the default start-method mode ("auto") these still start their ranks with torch's
 # "spawn" (a fresh interpreter per rank, which must pick RPC_OBSERVE=1 up through the
-# .pth hook on its own); the others fork their ranks from a forkserver (see
-# _spawn_processes). Each must init_rpc on every rank.
+# .pth hook on its own, ~6 s a test here); the others fork their ranks from a
+# forkserver (see _spawn_processes). Each calls init_rpc on every rank.
 SPAWN_TESTS = [
     "TensorPipeRpcTest.test_py_user_defined",
     "TensorPipeRpcTest.test_rref_proxy_class",
-    "TensorPipeParameterServerTest.test_batch_updating_parameter_server",
 ]
 
 # The generated classes --full runs: every suite of torch's test_tensorpipe_agent.py
@@ -213,14 +240,16 @@ if __name__ != "__main__":  # imported by the inner pytest, or by a spawned rank
 # ---------------------------------------------------------------------------------------
 # The runner (when run as a script)
 
+_running: list[subprocess.Popen] = []  # the pytest subprocess, for the SIGTERM handler
+MISSING = {"outcome": "missing", "message": "did not run (pytest crashed, timed out, or the id is unknown)"}
+
 
 def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RPC_OBSERVE", "OTEL_", "PYTEST_ADDOPTS"))}
-    env.pop("RPC_INIT_WITH_TCP", None)  # file:// init, as torch's default
-    env.pop("MASTER_ADDR", None)
-    env.pop("MASTER_PORT", None)
-    # common_distributed reads this when imported: a hung test fails after it, not after 300 s.
+    """This environment without any rpc_observe / OpenTelemetry setting, and with torch's test defaults."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RPC_OBSERVE", "OTEL_"))}
+    for name in ("PYTEST_ADDOPTS", "RPC_INIT_WITH_TCP", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # file:// init, as torch's run_test.py does by default
+    # Read by common_distributed at import: a hung test fails after this, not after 300 s.
     env.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
@@ -234,109 +263,119 @@ def mode_env(mode: str, out_dir: Path, start_method: str, pids_file: Path) -> di
     if mode == "on":
         env["RPC_OBSERVE"] = "1"
         env["OTEL_TRACES_EXPORTER"] = "file"
-    env["RPC_OBSERVE_DIR"] = str(out_dir)  # harmless when off: nothing may write there
+    env["RPC_OBSERVE_DIR"] = str(out_dir)  # also when off: nothing may write there then
     return env
 
 
-def pytest_command(selection: list[str], junit: Path, k_expr: str | None, verbose: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", *selection,
-           "-c", os.devnull, "--rootdir", str(HERE), "--confcutdir", str(HERE),
-           "-p", "no:cacheprovider", f"--junitxml={junit}", "-o", "junit_logging=out-err",
-           "-o", "junit_family=xunit1", "-rN", "--tb=no", "-q" if not verbose else "-v"]
-    if k_expr:
-        cmd += ["-k", k_expr]
-    return cmd
-
-
-def selection_args(full: bool) -> list[str]:
+def node_ids(full: bool, ids: list[str] | None = None) -> list[str]:
+    if ids is not None:
+        return [f"{THIS}::{tid.replace('.', '::')}" for tid in ids]
     if full:
         return [f"{THIS}::{cls}" for cls in FULL_CLASSES]
     return [f"{THIS}::{tid.replace('.', '::')}" for tid in SUBSET]
 
 
-def run_mode(mode: str, workdir: Path, full: bool, k_expr: str | None, timeout: float | None,
-             verbose: bool, start_method: str) -> dict:
-    out_dir = workdir / f"observe-{mode}"
+def pytest_command(selection: list[str], junit: Path, k_expr: str | None, verbose: bool) -> list[str]:
+    # -c /dev/null, --rootdir and --confcutdir: neither the project's pytest settings nor its
+    # conftest.py files apply to torch's tests.
+    cmd = [sys.executable, "-m", "pytest", *selection,
+           "-c", os.devnull, "--rootdir", str(HERE), "--confcutdir", str(HERE),
+           "-p", "no:cacheprovider", "-p", "no:warnings", f"--junitxml={junit}",
+           "-o", "junit_logging=out-err", "-o", "junit_family=xunit1", "--tb=short",
+           "-v" if verbose else "-q"]
+    if k_expr:
+        cmd += ["-k", k_expr]
+    return cmd
+
+
+def run_mode(tag: str, mode: str, workdir: Path, selection: list[str], k_expr: str | None,
+             timeout: float | None, verbose: bool, start_method: str) -> dict:
+    """One pytest subprocess over `selection`, with the add-on `mode` ("on"/"off")."""
+    out_dir = workdir / f"observe-{tag}"
     shutil.rmtree(out_dir, ignore_errors=True)
-    junit = workdir / f"{mode}.xml"
-    log = workdir / f"{mode}.log"
-    pids_file = workdir / f"{mode}-ranks.jsonl"
+    junit, log, pids_file = workdir / f"{tag}.xml", workdir / f"{tag}.log", workdir / f"{tag}-ranks.jsonl"
     for stale in (junit, pids_file):
         stale.unlink(missing_ok=True)
-    cmd = pytest_command(selection_args(full), junit, k_expr, verbose)
     start = time.monotonic()
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, env=mode_env(mode, out_dir, start_method, pids_file), cwd=str(HERE), stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(pytest_command(selection, junit, k_expr, verbose),
+                                env=mode_env(mode, out_dir, start_method, pids_file), cwd=str(HERE),
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        _running.append(proc)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
             code = None
-    seconds = time.monotonic() - start
+        finally:
+            _kill_group(proc)  # on timeout; else a forkserver or rank left behind
+            _running.remove(proc)
     outcomes = parse_junit(junit) if junit.exists() else {}
-    return {"mode": mode, "exit_code": code, "timed_out": code is None, "seconds": round(seconds, 1),
-            "junit": str(junit), "log": str(log), "observe_dir": str(out_dir),
-            "outcomes": outcomes, "telemetry": inspect_observe_dir(out_dir, pids_file, outcomes)}
+    return {"mode": mode, "tag": tag, "exit_code": code, "timed_out": code is None,
+            "seconds": round(time.monotonic() - start, 1), "junit": str(junit), "log": str(log),
+            "observe_dir": str(out_dir), "outcomes": outcomes,
+            "telemetry": inspect_observe_dir(out_dir, pids_file, outcomes)}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
     import signal
 
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # pytest and the rank processes it spawned
-    except ProcessLookupError:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: pytest, its forkserver and ranks
+    except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
 
 
+def _on_sigterm(signum, frame) -> None:
+    for proc in list(_running):
+        _kill_group(proc)
+    sys.exit(128 + signum)
+
+
 def parse_junit(path: Path) -> dict[str, dict]:
-    """{"Class.test": {"outcome", "message", "seconds", "addon_warnings"}} of a pytest junit xml."""
+    """{"Class.test": {outcome, message, seconds, addon_warnings, details}} of a pytest junit xml."""
     outcomes: dict[str, dict] = {}
     try:
         root = ET.parse(path).getroot()
     except ET.ParseError as e:
         return {"<junit>": {"outcome": "error", "message": f"unreadable junit xml: {e}", "seconds": 0.0,
-                            "addon_warnings": []}}
+                            "addon_warnings": [], "details": ""}}
     for case in root.iter("testcase"):
         tid = f"{case.get('classname', '').rsplit('.', 1)[-1]}.{case.get('name')}"
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
+        outcome, message, details = "passed", "", ""
+        for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
             node = case.find(tag)
             if node is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = node.get("message") or ""
+                outcome, message = name, node.get("message") or ""
                 if tag != "skipped":
-                    message = _failure_summary(node.text or message) or message
+                    details = node.text or message
+                    message = _failure_summary(details) or message
                 break
-        output = "".join((n.text or "") for n in case.iter() if n.tag in ("system-out", "system-err"))
-        warnings = sorted(set(ADDON_WARNING.findall(output)))
+        output = "".join(n.text or "" for n in case.iter() if n.tag in ("system-out", "system-err"))
         outcomes[tid] = {"outcome": outcome, "message": message.strip()[:2000],
-                         "seconds": float(case.get("time") or 0.0), "addon_warnings": warnings,
-                         "details": (case.find("failure") if case.find("failure") is not None
-                                     else case.find("error")).text[:20000]
-                         if outcome in ("failed", "error") else ""}
+                         "seconds": float(case.get("time") or 0.0),
+                         "addon_warnings": sorted(set(ADDON_WARNING.findall(output))),
+                         "details": (details + "\n" + output)[-40000:] if details else ""}
     return outcomes
 
 
 def _failure_summary(text: str) -> str:
-    """The rank exceptions of a MultiProcessTestCase failure, else its last line."""
+    """The ranks' exception lines of a MultiProcessTestCase failure, else its last line."""
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     picked = [ln.strip() for ln in lines
-              if re.match(r"^\s*(Process \d+ |[\w.]*(Error|Exception|Timeout)\b)", ln)]
+              if re.match(r"^\s*(E\s+)?(Process \d+ |[\w.]*(Error|Exception|Timeout)\b)", ln)]
     return " | ".join(dict.fromkeys(picked))[:2000] if picked else (lines[-1] if lines else "")
 
 
 def inspect_observe_dir(out_dir: Path, pids_file: Path, outcomes: dict[str, dict]) -> dict:
-    """The span files of the ranks, matched to their tests by pid.
+    """The ranks' span files, matched to their tests by pid.
 
-    The add-on opens `<RPC_OBSERVE_DIR>/spans/<worker>-<pid>.jsonl` when a process calls
-    init_rpc, so a rank that ran init_rpc with the add-on active has exactly one.
+    The add-on opens `<RPC_OBSERVE_DIR>/spans/<worker>-<pid>.jsonl` in the wrapped init_rpc,
+    so each rank that went through init_rpc with the add-on active has exactly one.
     """
     spans_dir = out_dir / "spans"
     files = sorted(spans_dir.glob("*.jsonl")) if spans_dir.is_dir() else []
-    spans, workers, methods = 0, set(), collections.Counter()
-    pids_with_file = set()
+    spans, workers, methods, pids_with_file = 0, set(), collections.Counter(), set()
     for f in files:
         worker, _, pid = f.stem.rpartition("-")
         workers.add(worker)
@@ -355,7 +394,6 @@ def inspect_observe_dir(out_dir: Path, pids_file: Path, outcomes: dict[str, dict
                             for a in span.get("attributes", []):
                                 if a["key"] == "rpc.method":
                                     methods[a["value"].get("stringValue", "")] += 1
-    entries = sorted(p.name for p in out_dir.rglob("*")) if out_dir.exists() else []
     per_test = {}
     if pids_file.exists():
         for line in pids_file.read_text(encoding="utf-8").splitlines():
@@ -363,43 +401,38 @@ def inspect_observe_dir(out_dir: Path, pids_file: Path, outcomes: dict[str, dict
                 row = json.loads(line)
             except ValueError:
                 continue
-            per_test[row["id"]] = {"start_method": row["start_method"], "ranks": len(row["pids"]),
-                                   "ranks_observed": sum(p in pids_with_file for p in row["pids"])}
-    for tid, info in per_test.items():
-        o = outcomes.get(tid)
-        if o is not None:
-            o["start_method"] = info["start_method"]
-            o["ranks_observed"] = f"{info['ranks_observed']}/{info['ranks']}"
-    ran = [i for t, i in per_test.items() if outcomes.get(t, {}).get("outcome") == "passed"]
+            per_test[row["id"]] = (row["start_method"], len(row["pids"]),
+                                   sum(p in pids_with_file for p in row["pids"]))
+    for tid, (method, ranks, observed) in per_test.items():
+        if tid in outcomes:
+            outcomes[tid]["start_method"] = method
+            outcomes[tid]["ranks_observed"] = f"{observed}/{ranks}"
+    passed = [v for t, v in per_test.items() if outcomes.get(t, {}).get("outcome") == "passed"]
     return {"span_files": len(files), "spans": spans, "workers": sorted(workers),
-            "top_methods": methods.most_common(12), "entries": len(entries),
-            "tests_started": len(per_test),
-            "passed_tests_all_ranks_observed": sum(i["ranks_observed"] == i["ranks"] for i in ran),
-            "passed_tests": len(ran),
-            "passed_spawn_tests": sum(i["start_method"] == "spawn" for i in ran),
-            "passed_spawn_tests_all_ranks_observed": sum(i["start_method"] == "spawn" and
-                                                         i["ranks_observed"] == i["ranks"] for i in ran)}
+            "top_methods": methods.most_common(10),
+            "entries": sum(1 for _ in out_dir.rglob("*")) if out_dir.exists() else 0,
+            "tests_started": len(per_test), "passed_tests": len(passed),
+            "passed_tests_all_ranks_observed": sum(observed == ranks for _, ranks, observed in passed),
+            "passed_spawn_tests": sum(method == "spawn" for method, _, _ in passed),
+            "passed_spawn_tests_all_ranks_observed": sum(method == "spawn" and observed == ranks
+                                                         for method, ranks, observed in passed)}
 
 
-def compare(off: dict | None, on: dict | None) -> dict:
-    off_o = off["outcomes"] if off else {}
-    on_o = on["outcomes"] if on else {}
-    ids = sorted(set(off_o) | set(on_o))
-    regressions, not_ours, fixed, warnings = [], [], [], []
-    for tid in ids:
-        a = off_o.get(tid, {"outcome": "missing", "message": "did not run (pytest crashed or timed out?)"})
-        b = on_o.get(tid, {"outcome": "missing", "message": "did not run (pytest crashed or timed out?)"})
-        if off is not None and a["outcome"] != "passed":
+def compare(off: dict, on: dict, reruns: list[dict]) -> dict:
+    """Regressions (passed off, not on, not on any rerun either), flaky ones, and "not ours"."""
+    regressions, flaky, not_ours, only_on = [], [], [], []
+    for tid in sorted(set(off["outcomes"]) | set(on["outcomes"])):
+        a, b = off["outcomes"].get(tid, MISSING), on["outcomes"].get(tid, MISSING)
+        if a["outcome"] != "passed":
             not_ours.append({"id": tid, "outcome": a["outcome"], "reason": a["message"]})
-        if on is not None and off is not None and a["outcome"] == "passed" and b["outcome"] != "passed":
-            regressions.append({"id": tid, "outcome": b["outcome"], "reason": b["message"],
-                                "details": b.get("details", "")})
-        if on is not None and off is not None and a["outcome"] in ("failed", "error") and b["outcome"] == "passed":
-            fixed.append(tid)
-        if on is not None and b.get("addon_warnings"):
-            warnings.append({"id": tid, "warnings": b["addon_warnings"]})
-    return {"regressions": regressions, "not_ours": not_ours, "passed_only_with_addon": fixed,
-            "addon_warnings": warnings}
+            if a["outcome"] in ("failed", "error") and b["outcome"] == "passed":
+                only_on.append(tid)
+        elif b["outcome"] != "passed":
+            entry = {"id": tid, "outcome": b["outcome"], "reason": b["message"], "details": b.get("details", "")}
+            retried = [r["outcomes"].get(tid, MISSING)["outcome"] for r in reruns if tid in r["selected"]]
+            (flaky if "passed" in retried else regressions).append(entry | {"reruns": retried})
+    return {"regressions": regressions, "flaky_with_addon": flaky, "not_ours": not_ours,
+            "passed_only_with_addon": only_on}
 
 
 def count(outcomes: dict) -> dict:
@@ -407,113 +440,153 @@ def count(outcomes: dict) -> dict:
     return {k: c.get(k, 0) for k in ("passed", "failed", "error", "skipped")}
 
 
-def check_telemetry(off: dict | None, on: dict | None) -> list[str]:
-    """Problems with the proof that the add-on was active in the ranks (and only when on)."""
+def check_telemetry(results: dict[str, dict]) -> list[str]:
+    """Problems with the proof that the add-on was active in the ranks, and only when on."""
     problems = []
-    if off is not None and off["telemetry"]["entries"]:
-        problems.append(f"the off run wrote {off['telemetry']['entries']} entries under {off['observe_dir']}")
-    if on is not None:
-        t = on["telemetry"]
-        ran = sum(1 for o in on["outcomes"].values() if o["outcome"] != "skipped")
-        if ran and not t["span_files"]:
-            problems.append(f"the on run wrote no span files under {on['observe_dir']}/spans: "
-                            "the add-on was not active in the rank processes")
-        # The spawned ranks are torch's exact set-up: each must have come up instrumented.
-        for tid, o in on["outcomes"].items():
-            if o.get("start_method") == "spawn" and o["outcome"] == "passed" and tid in SPAWN_TESTS:
-                seen, total = o["ranks_observed"].split("/")
-                if seen != total:
-                    problems.append(f"{tid} (spawned ranks): only {seen} of {total} ranks wrote a span file")
+    for r in results.values():
+        t = r["telemetry"]
+        if r["mode"] == "off" and t["entries"]:
+            problems.append(f"the {r['tag']} run (add-on off) wrote {t['entries']} entries under {r['observe_dir']}")
+        if r["mode"] == "on":
+            ran = sum(1 for o in r["outcomes"].values() if o["outcome"] != "skipped")
+            if ran and not t["span_files"]:
+                problems.append(f"the {r['tag']} run wrote no span file under {r['observe_dir']}/spans: "
+                                "the add-on was not active in the rank processes")
+            # The spawned ranks are torch's exact set-up: each must have come up instrumented.
+            for tid, o in r["outcomes"].items():
+                if tid in SPAWN_TESTS and o["outcome"] == "passed" and o.get("start_method") == "spawn":
+                    seen, total = o["ranks_observed"].split("/")
+                    if seen != total:
+                        problems.append(f"{tid}: only {seen} of its {total} spawned ranks wrote a span file")
+    return problems
+
+
+def check_selection(results: dict[str, dict], expected: list[str]) -> list[str]:
+    problems = []
+    for r in results.values():
+        missing = [tid for tid in expected if tid not in r["outcomes"]]
+        if not r["outcomes"]:
+            problems.append(f"the {r['tag']} run reported no test (exit {r['exit_code']}; see {r['log']})")
+        elif missing:
+            problems.append(f"the {r['tag']} run did not report {len(missing)} selected tests: "
+                            + ", ".join(missing[:5]))
+        if r["timed_out"]:
+            problems.append(f"the {r['tag']} run was killed after {r['seconds']:.0f}s (--timeout)")
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="every generated TensorPipe test (long)")
+    parser.add_argument("--full", action="store_true", help="every generated TensorPipe test (436; long)")
     parser.add_argument("--addon", choices=("on", "off", "both"), default="both")
     parser.add_argument("-k", dest="k_expr", help="pytest -k expression to narrow the selection")
-    parser.add_argument("--junit", type=Path, help="directory for off.xml / on.xml, logs and summary.json "
-                        "(default: a temporary directory, removed unless a regression is found)")
+    parser.add_argument("--junit", type=Path, help="directory for the junit xml files (off.xml, on.xml), the "
+                        "logs and summary.json; default: a temporary directory, removed unless something failed")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds per mode before the pytest run is killed (default: 900, none with --full)")
+                        help="seconds per pytest run before it is killed (default: 900; none with --full)")
     parser.add_argument("--start-method", choices=("auto", "spawn", "forkserver"), default="auto",
-                        help="how ranks start: 'spawn' (torch's way, ~6 s a test here), 'forkserver' "
-                        "(~0.5 s a test), or 'auto' (default): forkserver, but spawn for SPAWN_TESTS")
-    parser.add_argument("--list", action="store_true", help="print the selected node ids and exit")
+                        help="how the ranks start: 'spawn' (torch's way; ~6 s a test here), 'forkserver' "
+                        "(~0.5 s a test), or 'auto' (the default): forkserver, but spawn for SPAWN_TESTS")
+    parser.add_argument("--rerun", type=int, default=1,
+                        help="runs again, with the add-on, each test that passed off but not on (default 1); "
+                        "one that then passes is reported as flaky, not as a regression")
+    parser.add_argument("--list", action="store_true", help="print the selected pytest node ids and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="pytest -v in the logs")
-    parser.add_argument("--quiet", action="store_true", help="print only the summary lines")
+    parser.add_argument("--quiet", action="store_true", help="print the verdict only")
     args = parser.parse_args(argv)
 
+    selection = node_ids(args.full)
     if args.list:
-        print("\n".join(selection_args(args.full)))
+        print("\n".join(selection))
         return 0
     try:
-        import expecttest  # noqa: F401  (torch.testing._internal.common_utils imports it)
+        import expecttest  # noqa: F401  (torch.testing._internal.common_utils needs it)
     except ImportError:
-        print("run_upstream: torch's test utilities need the package 'expecttest' (pip install expecttest)",
+        print("run_upstream: torch's test utilities need the package expecttest: pip install expecttest",
               file=sys.stderr)
         return 2
 
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     keep = args.junit is not None
     workdir = args.junit.resolve() if keep else Path(tempfile.mkdtemp(prefix="rpc_upstream-"))
     workdir.mkdir(parents=True, exist_ok=True)
     timeout = args.timeout if args.timeout is not None else (None if args.full else 900.0)
-    modes = ("off", "on") if args.addon == "both" else (args.addon,)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+
     results: dict[str, dict] = {}
-    for mode in modes:
-        if not args.quiet:
-            print(f"[{mode}] running {'--full' if args.full else f'{len(SUBSET)} curated tests'}"
-                  f"{f' -k {args.k_expr!r}' if args.k_expr else ''} (log: {workdir / (mode + '.log')})",
-                  flush=True)
-        results[mode] = run_mode(mode, workdir, args.full, args.k_expr, timeout, args.verbose, args.start_method)
-        r = results[mode]
-        print(f"[{mode}] {r['seconds']:.0f}s exit={r['exit_code']}{' TIMED OUT' if r['timed_out'] else ''} "
-              f"{count(r['outcomes'])} telemetry: {r['telemetry']['span_files']} span files, "
-              f"{r['telemetry']['spans']} spans", flush=True)
+    for mode in (("off", "on") if args.addon == "both" else (args.addon,)):
+        what = "--full" if args.full else f"{len(SUBSET)} curated tests"
+        say(f"[{mode}] {what}{f' -k {args.k_expr!r}' if args.k_expr else ''}, ranks: {args.start_method}")
+        r = results[mode] = run_mode(mode, mode, workdir, selection, args.k_expr, timeout, args.verbose,
+                                     args.start_method)
+        print(f"[{mode}] {r['seconds']:.0f}s {count(r['outcomes'])}; span files {r['telemetry']['span_files']}, "
+              f"spans {r['telemetry']['spans']}; tests with every rank observed "
+              f"{r['telemetry']['passed_tests_all_ranks_observed']}/{r['telemetry']['passed_tests']} passed",
+              flush=True)
 
-    off, on = results.get("off"), results.get("on")
-    verdict = compare(off, on)
-    problems = check_telemetry(off, on)
-    if on is None and off is not None:  # --addon off: its own failures are the finding
-        problems += [f"{x['id']}: {x['outcome']}" for x in verdict["not_ours"] if x["outcome"] != "skipped"]
-    if on is not None and off is None:
-        problems += [f"{tid}: {o['outcome']}: {o['message'][:300]}" for tid, o in on["outcomes"].items()
-                     if o["outcome"] in ("failed", "error")]
-    for r in results.values():
-        if r["timed_out"]:
-            problems.append(f"the {r['mode']} run timed out after {r['seconds']:.0f}s")
-        if not r["outcomes"]:
-            problems.append(f"the {r['mode']} run reported no test (see {r['log']})")
+    reruns: list[dict] = []
+    if "off" in results and "on" in results:
+        suspects = [tid for tid, o in results["off"]["outcomes"].items() if o["outcome"] == "passed"
+                    and results["on"]["outcomes"].get(tid, MISSING)["outcome"] != "passed"]
+        for i in range(args.rerun if suspects else 0):
+            say(f"[on-rerun{i + 1}] {len(suspects)} tests that passed off but not on")
+            r = run_mode(f"on-rerun{i + 1}", "on", workdir, node_ids(False, suspects), None, timeout,
+                         args.verbose, args.start_method)
+            r["selected"] = suspects
+            reruns.append(r)
+            suspects = [tid for tid in suspects if r["outcomes"].get(tid, MISSING)["outcome"] != "passed"]
+            if not suspects:
+                break
 
-    summary = {"full": args.full, "k": args.k_expr, "modes": {m: {k: v for k, v in r.items() if k != "outcomes"}
-                                                             | {"counts": count(r["outcomes"])}
-                                                             for m, r in results.items()},
-               "outcomes": {m: {tid: {k: v for k, v in o.items() if k != "details"}
-                                for tid, o in r["outcomes"].items()} for m, r in results.items()},
-               **verdict, "problems": problems}
+    problems = check_telemetry({r["tag"]: r for r in [*results.values(), *reruns]})
+    problems += check_selection(results, [] if args.full or args.k_expr else SUBSET)
+    if "off" in results and "on" in results:
+        verdict = compare(results["off"], results["on"], reruns)
+    else:  # one mode only: its own failures are the finding
+        r = next(iter(results.values()))
+        failed = [{"id": t, "outcome": o["outcome"], "reason": o["message"], "details": o.get("details", "")}
+                  for t, o in r["outcomes"].items() if o["outcome"] in ("failed", "error")]
+        verdict = {"regressions": failed if r["mode"] == "on" else [], "flaky_with_addon": [],
+                   "not_ours": [] if r["mode"] == "on" else failed, "passed_only_with_addon": []}
+    warnings = [{"id": t, "warnings": o["addon_warnings"]} for t, o in results.get("on", {"outcomes": {}})
+                ["outcomes"].items() if o["addon_warnings"]]
+
+    summary = {"full": args.full, "k": args.k_expr, "start_method": args.start_method,
+               "runs": {r["tag"]: {k: v for k, v in r.items() if k != "outcomes"} | {"counts": count(r["outcomes"])}
+                        for r in [*results.values(), *reruns]},
+               "outcomes": {r["tag"]: {t: {k: v for k, v in o.items() if k != "details"}
+                                       for t, o in r["outcomes"].items()} for r in [*results.values(), *reruns]},
+               **{k: v for k, v in verdict.items()}, "addon_warnings": warnings, "problems": problems}
     with open(workdir / "summary.json", "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump(summary, f, indent=1, default=str)
+    if verdict["regressions"] or verdict["flaky_with_addon"]:
+        with open(workdir / "regressions.txt", "w") as f:
+            for x in verdict["regressions"] + verdict["flaky_with_addon"]:
+                f.write(f"==== {x['id']}: {x['outcome']} (reruns: {x.get('reruns')})\n{x['details']}\n\n")
 
-    if on is not None and off is not None:
-        print(f"regressions (passed without the add-on, not with it): {len(verdict['regressions'])}")
-        for x in verdict["regressions"]:
-            print(f"  REGRESSION {x['id']}: {x['outcome']}: {x['reason'][:500]}")
-    if not args.quiet or verdict["regressions"]:
-        if verdict["not_ours"]:
-            print(f"not ours (fail or skip without the add-on too): {len(verdict['not_ours'])}")
-            for x in verdict["not_ours"]:
-                print(f"  {x['id']}: {x['outcome']}: {x['reason'][:300]}")
-        if verdict["passed_only_with_addon"]:
-            print("passed only with the add-on (flaky?): " + ", ".join(verdict["passed_only_with_addon"]))
-    if verdict["addon_warnings"]:
-        print(f"rpc_observe warnings in the ranks' output: {len(verdict['addon_warnings'])} tests")
-        for x in verdict["addon_warnings"][:20]:
+    label = "regressions (passed without the add-on, failed with it)" if "off" in results else "failures"
+    print(f"{label}: {len(verdict['regressions'])}")
+    for x in verdict["regressions"]:
+        print(f"  REGRESSION {x['id']}: {x['outcome']}: {x['reason'][:500]}")
+    for x in verdict["flaky_with_addon"]:
+        print(f"  flaky with the add-on (failed, then passed on rerun) {x['id']}: {x['reason'][:300]}")
+    if verdict["not_ours"]:
+        print(f"not ours (failed or skipped without the add-on too): {len(verdict['not_ours'])}")
+        for x in verdict["not_ours"][: None if not args.quiet else 10]:
+            print(f"  {x['id']}: {x['outcome']}: {x['reason'][:300]}")
+    if verdict["passed_only_with_addon"]:
+        print("failed without the add-on but passed with it (flaky?): " + ", ".join(verdict["passed_only_with_addon"]))
+    if warnings:
+        print(f"rpc_observe warnings in the ranks' output of {len(warnings)} tests:")
+        for x in warnings[:10]:
             print(f"  {x['id']}: {x['warnings'][0][:300]}")
     for p in problems:
         print(f"PROBLEM: {p}")
     failed = bool(verdict["regressions"] or problems)
-    if keep or failed:
+    if keep or failed or verdict["flaky_with_addon"]:
         print(f"details: {workdir}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
