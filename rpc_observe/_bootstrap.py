@@ -63,8 +63,18 @@ def cancel(name: str) -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _PostImportFinder) and f.name == name)]
 
 
+_started = False
+
+
 def run() -> None:
-    """Called from rpc_observe.pth when RPC_OBSERVE is set in the environment."""
+    """Called from rpc_observe.pth when RPC_OBSERVE is set in the environment.
+
+    Some interpreters (pyenv-built venvs) process site-packages twice: run once.
+    """
+    global _started
+    if _started:
+        return
+    _started = True
     try:
         from . import config
 

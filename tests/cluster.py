@@ -38,7 +38,8 @@ class Cluster:
         self.hold_file = self.dir / "hold"
         self.ready_file = self.dir / "ready"
         base = clean_env(RPC_OBSERVE_DIR=str(self.out_dir), RPC_OBSERVE_RUN_ID=f"test-{self.dir.name}",
-                         SCENARIO_ARGS=args, PYTHONUNBUFFERED="1", **(env or {}))
+                         SCENARIO_ARGS=args, PYTHONUNBUFFERED="1")
+        base.update(env or {})
         if hold:
             self.hold_file.write_text("hold")
             base["SCENARIO_HOLD"] = str(self.hold_file)
