@@ -54,8 +54,8 @@ def split(data: bytes) -> tuple[int, list[str] | None]:
         if size > _MAX_PAYLOAD or size + 10 > len(data):
             raise ValueError("trailer length out of range")
         fields = bytes(data[-10 - size : -10]).decode("utf-8").split(_SEP)
-        if fields[0] not in (_REQUEST, _RESPONSE):
-            raise ValueError("unknown trailer kind")
+        if (fields[0], len(fields) >= 3) != (_REQUEST, True) and (fields[0], len(fields)) != (_RESPONSE, 2):
+            raise ValueError("not a request (kind, src, mode, ...) or response (kind, method) trailer")
         return len(data) - size - 10, fields
     except Exception:
         _health.invalid_context()

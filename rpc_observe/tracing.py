@@ -62,6 +62,7 @@ class Tracer:
         self._max_queue = config.bsp_max_queue_size
         self._wake = threading.Event()
         self._stopping = False
+        self._stuck = False
         self._fast_propagation = set(config.propagators) <= {"tracecontext", "baggage"}
         self._propagates = "none" not in config.propagators
         sampler = config.sampler
@@ -161,7 +162,14 @@ class Tracer:
                     _health.spans_lost(len(batch))
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Exports what is queued; returns False if that took longer than the timeout."""
+        """Exports what is queued; returns False if that took longer than the timeout.
+
+        Once an export has hung (an unresponsive collector), later flushes wait 0.1 s at
+        most, so rpc.shutdown() and process exit together wait about OTEL_BSP_EXPORT_TIMEOUT.
+        """
+        wait = self._config.bsp_export_timeout_s if timeout_s is None else timeout_s
+        if self._stuck:
+            wait = min(wait, 0.1)
         done = threading.Event()
 
         def _flush():
@@ -171,7 +179,9 @@ class Tracer:
                 done.set()
 
         threading.Thread(target=_flush, name="rpc_observe-span-flush", daemon=True).start()
-        return done.wait(self._config.bsp_export_timeout_s if timeout_s is None else timeout_s)
+        finished = done.wait(wait)
+        self._stuck = self._stuck or not finished
+        return finished
 
     def shutdown(self) -> None:
         """Flushes with a bounded wait, then shuts the exporters down; never blocks longer."""

@@ -68,18 +68,29 @@ class Cluster:
     def release(self) -> None:
         self.hold_file.unlink(missing_ok=True)
 
-    def wait(self, timeout: float = 120) -> list[dict]:
-        """Waits for every process to exit 0; returns each rank's result."""
+    def wait(self, timeout: float = 120, killed: tuple[int, ...] = ()) -> list[dict]:
+        """Waits for every process to exit 0 (or to have been killed); returns each rank's result.
+
+        How long each rank's rpc.shutdown() took goes to `self.shutdown_s`.
+        """
         self.release()
         deadline = time.monotonic() + timeout
+        results, self.shutdown_s = [], {}
         for rank, proc in enumerate(self.procs):
             try:
                 code = proc.wait(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill()
                 raise AssertionError(f"rank {rank} hung:\n" + self.log(rank)[-3000:])
+            if rank in killed:
+                assert code == -9, f"rank {rank} exited {code}, expected SIGKILL"
+                results.append(None)
+                continue
             assert code == 0, f"rank {rank} exited {code}:\n" + self.log(rank)[-3000:]
-        return [json.loads((self.dir / f"result{r}.json").read_text()) for r in range(self.world)]
+            result = json.loads((self.dir / f"result{rank}.json").read_text())
+            self.shutdown_s[rank] = result.pop("shutdown_s")
+            results.append(result)
+        return results
 
     def kill(self) -> None:
         for proc in self.procs:

@@ -190,7 +190,181 @@ def echo_kw(value, secret=None, t=None):
     return value, secret, t
 
 
-SCENARIOS = {"basic": basic, "metrics": metrics, "marker": marker}
+def noop(t):
+    return t
+
+
+def latency(world):
+    """p50 of a no-op rpc_sync, in ms."""
+    t = torch.ones(4)
+    for _ in range(50):
+        rpc.rpc_sync("worker1", noop, args=(t,))
+    times = []
+    for _ in range(int(os.environ.get("SCENARIO_CALLS", "300"))):
+        start = time.perf_counter()
+        rpc.rpc_sync("worker1", noop, args=(t,))
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"p50_ms": times[len(times) // 2] * 1e3}
+
+
+def _raw_request(dst, func, args, trailer):
+    """A real RPC whose pickle ends with `trailer` (what a broken or hostile peer sends)."""
+    from torch.distributed.rpc import api, internal
+
+    serialize = internal._InternalRPCPickler.serialize
+    serialize = getattr(serialize, "__rpc_observe_original__", serialize)
+    data, tensors = serialize(internal._internal_rpc_pickler, internal.PythonUDF(func, args, {}))
+    info = rpc.get_worker_info(dst)
+    return api._invoke_rpc_python_udf(info, data + trailer, tensors, 10.0, False).wait()
+
+
+def hostile(world):
+    magic = b"\x00rpcobs1"
+
+    def framed(payload: bytes, length: int | None = None) -> bytes:
+        return payload + (len(payload) if length is None else length).to_bytes(2, "little") + magic
+
+    trailers = {
+        "length_beyond_message": framed(b"q", 60000),
+        "not_utf8": framed(b"q\x1f\xff\xfe\x1fsync\x1ftraceparent=\xff"),
+        "unknown_kind": framed(b"z\x1fworker0\x1fsync"),
+        "bad_traceparent": framed("q\x1fworker0\x1fsync\x1ftraceparent=00-zz-yy-01".encode()),
+        "zero_trace_id": framed(("q\x1fworker0\x1fsync\x1ftraceparent=00-" + "0" * 32 + "-" + "1" * 16 + "-01").encode()),
+        "oversized": framed(b"q\x1fworker0\x1fsync\x1f" + b"\x1f".join(b"k%d=%s" % (i, b"v" * 40) for i in range(40))),
+        "wrong_types": framed(b"q"),
+        "magic_only": magic,
+    }
+    t = torch.ones(3)
+    out = {}
+    for name, trailer in trailers.items():
+        start = time.perf_counter()
+        out[name] = {"value": _raw_request("worker1", add, (t, 1), trailer).tolist(),
+                     "ms": (time.perf_counter() - start) * 1e3}
+    return out
+
+
+def die():
+    os.kill(os.getpid(), 9)
+
+
+def death(world):
+    """worker2 is SIGKILLed while calls to it are in flight."""
+    futs = [rpc.rpc_async("worker2", sleep_for, args=(5,)) for _ in range(4)]
+    time.sleep(0.3)
+    rpc.rpc_async("worker2", die)
+    errors = []
+    for fut in futs:
+        try:
+            fut.wait()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001
+            errors.append(type(e).__name__)
+    return {"errors": errors, "alive": rpc.rpc_sync("worker1", add, args=(torch.ones(1), 1)).tolist()}
+
+
+class _TaggedPickler(rpc.internal._InternalRPCPickler):
+    """A custom pickler, installed with torch's own hook."""
+
+    def __init__(self):
+        super().__init__()
+        self._register_reducer(Tagged, lambda obj: (Tagged, (obj.tag + "!",)))
+
+
+class Tagged:
+    def __init__(self, tag):
+        self.tag = tag
+
+
+def tag_of(obj):
+    return obj.tag
+
+
+def custom_pickler(world):
+    with rpc.api._use_rpc_pickler(_TaggedPickler()):
+        value = rpc.rpc_sync("worker1", tag_of, args=(Tagged("x"),))
+    return {"value": value}
+
+
+def rref_in_args(world):
+    """An RRef travels inside the arguments (serialization inside serialization)."""
+    rref = rpc.remote("worker2", add, args=(torch.ones(2), 2))
+    return {"value": rpc.rpc_sync("worker1", fetch, args=(rref,)).tolist()}
+
+
+def fetch(rref):
+    return rref.to_here()
+
+
+def soak(world):
+    """16 threads of mixed calls; returns exactly what was called."""
+    per_thread = int(os.environ.get("SCENARIO_CALLS", "60"))
+    counts = {"sync": 0, "async": 0, "remote": 0, "fail": 0}
+    lock = threading.Lock()
+    t = torch.ones(4)
+
+    def _run(index):
+        mine = {"sync": 0, "async": 0, "remote": 0, "fail": 0}
+        for i in range(per_thread):
+            dst = f"worker{1 + (index + i) % (world - 1)}"
+            kind = ("sync", "async", "remote", "fail")[(index + i) % 4]
+            if kind == "sync":
+                rpc.rpc_sync(dst, add, args=(t, 1))
+            elif kind == "async":
+                rpc.rpc_async(dst, add, args=(t, 1)).wait()
+            elif kind == "remote":
+                rpc.remote(dst, add, args=(t, 1)).to_here()
+            else:
+                try:
+                    rpc.rpc_sync(dst, fail, args=("value",))
+                except ValueError:
+                    pass
+            mine[kind] += 1
+        with lock:
+            for k, v in mine.items():
+                counts[k] += v
+
+    rss = []
+    for half in range(2):
+        threads = [threading.Thread(target=_run, args=(i,)) for i in range(16)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        rss.append(_rss_kb())
+    return {"counts": counts, "rss_kb": rss}
+
+
+def _rss_kb():
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+
+
+SCENARIOS = {"basic": basic, "metrics": metrics, "marker": marker, "latency": latency, "hostile": hostile,
+             "death": death, "custom_pickler": custom_pickler, "rref_in_args": rref_in_args, "soak": soak}
+
+
+def _break_telemetry():
+    """Fault injection into rpc_observe itself: its metrics and its exporter raise."""
+    from rpc_observe import _runtime, metrics
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected telemetry failure")
+
+    metrics.Metrics.observe_message = broken
+    metrics.Metrics.client_finished = broken
+    metrics.Metrics.observe_latency = broken
+    runtime = _runtime.current
+    if runtime is not None and runtime.tracer is not None:
+        for sink in runtime.tracer._sinks:
+            sink.export = broken
+
+
+_START = time.monotonic()
+
+
+def deadline_for(seconds: float) -> float:
+    return _START + seconds
 
 
 def main() -> None:
@@ -203,6 +377,8 @@ def main() -> None:
     if profiler:
         profiler.start()
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    if os.environ.get("SCENARIO_BREAK"):
+        _break_telemetry()
     result = SCENARIOS[name](world) if rank == 0 else {}
     hold = os.environ.get("SCENARIO_HOLD")
     if hold and rank == 0:
@@ -214,7 +390,14 @@ def main() -> None:
         deadline = time.monotonic() + 120
         while os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.05)
-    rpc.shutdown()
+    if name == "death" and rank != 0 and hold:
+        # No graceful shutdown barrier with a dead peer: wait for rank 0 and the test instead.
+        ready = os.path.join(os.path.dirname(hold), "ready")
+        while (not os.path.exists(ready) or os.path.exists(hold)) and time.monotonic() < deadline_for(120):
+            time.sleep(0.05)
+    started = time.monotonic()
+    rpc.shutdown(graceful=name != "death")
+    result["shutdown_s"] = time.monotonic() - started
     if profiler:
         profiler.stop()
         profiler.export_chrome_trace(os.path.join(profile_dir, f"worker{rank}.json"))
