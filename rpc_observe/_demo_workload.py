@@ -5,8 +5,8 @@
   that batches the updates of all trainers (as in torch's batch-updating PS tutorial);
 - the server evaluates a model by calling a trainer back (a nested, three-hop call);
 - `remote` creates statistics on the server, fetched with `to_here()`;
-- one call fails on purpose, and one sends a view of a large tensor, whose whole
-  storage travels (the wasted-storage panel lights up).
+- every 50 steps, one call fails on purpose, and one sends a view of a large tensor,
+  whose whole storage travels (the wasted-storage panel lights up).
 The add-on is not imported here: the parent sets RPC_OBSERVE=1 in the environment.
 """
 
@@ -109,7 +109,7 @@ def _train(rank: int, world: int, stop) -> int:
         if step % 5 == 0:
             rpc.rpc_sync("ps", evaluate, args=(weights, scorer))
             rpc.remote("ps", make_stats, args=(step,)).to_here()
-        if step == 3:
+        if step % 50 == 3:  # now and then, so that a long (--serve) run keeps showing them
             try:  # torch re-raises the remote PermissionError as a RuntimeError
                 rpc.rpc_sync("ps", save_checkpoint, args=("/checkpoints/model.pt",))
             except RuntimeError:
@@ -125,6 +125,7 @@ def main() -> None:
     name = "ps" if rank == 0 else f"trainer{rank}"
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", num_worker_threads=16)
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    rpc.enable_gil_profiling(True)  # the agent then reports its GIL wait (a dashboard panel)
     if rank == 0:
         _server["rref"] = rpc.RRef(ParameterServer(world - 1))
         _server_ready.set()

@@ -21,7 +21,7 @@ def test_demo_shows_endpoints_summary_matrix_and_artifacts(tmp_path):
     assert "100%" in text  # the progress bar finished
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("  ") and len(line.split()) == 8}
     assert int(rows["ParameterServer.update_and_fetch"][1]) > 10
-    assert rows["save_checkpoint"][2] == "2"  # the failing call, once per trainer
+    assert int(rows["save_checkpoint"][2]) >= 2  # the failing call, at least once per trainer
     assert rows["store_activations"][7] == "45%"  # the view of a large tensor
     assert "traffic matrix" in text and "trainer1" in text.split("traffic matrix")[1]
     assert "Perfetto" in text and "Jaeger" in text and "Grafana" in text
