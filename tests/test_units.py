@@ -1,0 +1,79 @@
+"""Unit tests of the pieces that need no RPC: context trailer, config, metric families, tensor sizes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from rpc_observe import config, propagation
+from rpc_observe._pickler import tensor_sizes
+from rpc_observe.metrics import Metrics
+from cluster import samples, total
+
+
+def test_trailer_round_trip_and_plain_pickles():
+    trailer = propagation.request_trailer("worker0", "sync", {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
+    size, fields = propagation.split(b"PICKLE." + trailer)
+    assert size == 7 and fields[:3] == ["q", "worker0", "sync"]
+    assert propagation.carrier_of(fields) == {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+    assert propagation.split(b"PICKLE.") == (7, None)
+    size, fields = propagation.split(b"PICKLE." + propagation.response_trailer("add"))
+    assert (size, fields) == (7, ["r", "add"])
+
+
+@pytest.mark.parametrize("value", ["00-" + "a" * 32 + "-" + "b" * 16, "00-" + "0" * 32 + "-" + "b" * 16 + "-01",
+                                   "ff-" + "a" * 32 + "-" + "b" * 16 + "-01", "00-" + "A" * 32 + "-" + "b" * 16 + "-01",
+                                   "x" * 55, "00-" + "a" * 32 + "-" + "0" * 16 + "-01"])
+def test_invalid_traceparents_are_rejected(value):
+    assert propagation.parse_traceparent(value) is None
+
+
+def test_traceparent_round_trip():
+    text = propagation.format_traceparent(0xABC, 0xDEF, True)
+    assert propagation.parse_traceparent(text) == (0xABC, 0xDEF, True)
+
+
+def test_config_defaults_and_bad_values(caplog):
+    caplog.set_level(logging.WARNING, logger="rpc_observe")
+    default = config.load({})
+    assert default.traces_exporters == ("file",) and default.metrics_port is None and default.bsp_schedule_delay_s == 1.0
+    cfg = config.load({"OTEL_TRACES_EXPORTER": "none", "OTEL_BSP_EXPORT_TIMEOUT": "2500", "RPC_OBSERVE_METRICS_PORT": "70000",
+                       "OTEL_TRACES_SAMPLER": "sometimes"})
+    assert cfg.traces_exporters == () and not cfg.tracing and cfg.bsp_export_timeout_s == 2.5
+    assert cfg.metrics_port is None and cfg.sampler == "parentbased_always_on"
+    assert "RPC_OBSERVE_METRICS_PORT='70000' is not valid" in caplog.text
+    assert "OTEL_TRACES_SAMPLER='sometimes' is not valid" in caplog.text
+    assert config.enabled({"RPC_OBSERVE": "On"}) and not config.enabled({"RPC_OBSERVE": "0"})
+
+
+def test_metric_families_are_cumulative_and_labelled():
+    metrics = Metrics("w0", max_names=2)
+    cells = metrics.client_cells("f", "sync", "w1")
+    metrics.client_started(cells)
+    metrics.client_finished(cells, 0.0007)
+    metrics.client_started(cells)
+    metrics.client_finished(cells, 3.0)
+    for name in ("g", "h"):
+        metrics.client_cells(name, "sync", "w1")
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    parsed = samples(generate_latest(registry).decode())
+    hist = "torch_rpc_client_duration_seconds"
+    assert total(parsed, hist + "_count", method="f") == 2
+    assert total(parsed, hist + "_bucket", method="f", le="0.001") == 1
+    assert total(parsed, hist + "_bucket", method="f", le="5.0") == 2
+    assert total(parsed, hist + "_sum", method="f") == pytest.approx(3.0007)
+    assert {l["method"] for n, l, _ in parsed if n == hist + "_count"} == {"f", "g", "other"}  # capped at 2
+    assert total(parsed, "torch_rpc_client_in_flight") == 0
+
+
+def test_tensor_sizes_follow_torchs_clone_rule():
+    big = torch.zeros(1 << 20)  # 4 MiB
+    assert tensor_sizes([big[:10]]) == (40, 40)  # a small view of a big storage is cloned
+    assert tensor_sizes([big[: 600_000]]) == (2_400_000, 4 << 20)  # a big view sends the whole storage
+    small = torch.zeros(100)  # under 8 KiB: sent whole
+    assert tensor_sizes([small[:10]]) == (40, 400)
+    assert tensor_sizes([]) == (0, 0)
