@@ -181,3 +181,22 @@ def test_callee_without_the_addon_still_serves(tmp_path, basic_off):
 
 def test_profile_env_var_writes_no_files_when_off(basic_off):
     assert not (Path(basic_off[0].out_dir) / "spans").exists()
+
+
+def test_profile_env_var_writes_per_worker_traces_that_hta_loads(tmp_path):
+    cluster = Cluster(tmp_path, "basic", env={"RPC_OBSERVE": "1", "RPC_OBSERVE_PROFILE": "1"})
+    cluster.wait()
+    profiler_dir = cluster.out_dir / "profiler"
+    traces = {p.stem: json.loads(p.read_text()) for p in profiler_dir.glob("*.json")}
+    assert sorted(traces) == ["worker0", "worker1", "worker2"]
+    for rank, worker in enumerate(sorted(traces)):
+        assert traces[worker]["distributedInfo"]["rank"] == rank
+        served = [e for e in traces[worker]["traceEvents"] if e.get("cat") == "rpc_observe" and e["args"]["kind"] == "server"]
+        assert served  # callee events are in the worker's own trace
+    try:
+        from hta.trace_analysis import TraceAnalysis
+    except Exception as e:  # noqa: BLE001 - ImportError, or one of HTA's undeclared dependencies
+        pytest.skip(f"HolisticTraceAnalysis is not importable ({type(e).__name__}: {e})")
+    analysis = TraceAnalysis(trace_dir=str(profiler_dir))
+    assert analysis.t.get_ranks() == [0, 1, 2]
+    assert all(len(analysis.t.get_trace(rank)) > 0 for rank in range(3))
