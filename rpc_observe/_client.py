@@ -102,15 +102,19 @@ class Call:
             profiler.record(site.key, "client", self.start_ns, end_ns, self.tid, self.span)
 
     def on_done(self, future) -> None:
-        error = None
         try:
-            future.value()
-        except BaseException as e:  # the RPC's own error, already on its way to the caller
-            error = e
-        try:
-            self.finish(error)
+            self.finish(future_error(future))
         except Exception:
             _health.internal_error("client_done")
+
+
+def future_error(future) -> BaseException | None:
+    """The exception a completed torch Future holds (already on its way to the caller), or None."""
+    try:
+        future.value()
+    except BaseException as e:
+        return e
+    return None
 
 
 def classify(error: BaseException) -> str:

@@ -82,11 +82,7 @@ class Serving:
             profiler.record(site.key, "server", self.start_ns, end_ns, self.tid, self.span)
 
     def on_done(self, future) -> None:
-        error = None
-        try:
-            future.value()
-        except BaseException as e:
-            error = e
+        error = _client.future_error(future)
         try:
             self.finish(type(error).__name__ if error is not None else None,
                         str(error) if error is not None else None)
