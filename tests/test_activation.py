@@ -177,3 +177,27 @@ def test_the_wheel_ships_the_startup_hook(tmp_path):
     assert "rpc_observe.pth" in names and "rpc_observe/_bootstrap.py" in names
     pth = zipfile.ZipFile(wheel).read("rpc_observe.pth").decode()
     assert pth.startswith("import os;") and "RPC_OBSERVE" in pth
+
+
+def test_legacy_profiler_events_are_not_recorded_twice(tmp_path):
+    code = r"""
+import collections, json, sys, torch, torch.distributed.rpc as rpc
+def add(t, n):
+    return t + n
+rpc.init_rpc("worker0", rank=0, world_size=1,
+             rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"file://{sys.argv[1]}/init"))
+with torch.autograd.profiler_legacy.profile() as prof:
+    rpc.rpc_sync("worker0", add, args=(torch.ones(2), 1))
+    rpc.rpc_async("worker0", add, args=(torch.ones(2), 1)).wait()
+rpc.shutdown()
+print(json.dumps(collections.Counter(e.name for e in prof.function_events if e.name.startswith("rpc_"))))
+"""
+    counts = []
+    for value in ("0", "1"):
+        (tmp_path / value).mkdir()
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / value)], capture_output=True, text=True,
+                              timeout=120, env=clean_env(RPC_OBSERVE=value, RPC_OBSERVE_DIR=str(tmp_path / "out")))
+        assert proc.returncode == 0, proc.stderr
+        counts.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert counts[0]["rpc_sync#add(worker0 -> worker0)"] == 1
+    assert counts[1] == counts[0]  # torch records the key itself; the add-on adds nothing
