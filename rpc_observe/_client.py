@@ -24,8 +24,27 @@ _time_ns = time.time_ns
 _native_id = threading.get_native_id
 
 
+_method_names: dict = {}
+
+
 def method_name(func) -> str:
-    """The name torch puts in the profiling key: builtin, TorchScript or Python qualname."""
+    """The name torch puts in the profiling key (cached: the callee asks for every request)."""
+    try:
+        return _method_names[func]
+    except (KeyError, TypeError):
+        pass
+    name = _method_name(func)
+    try:
+        if len(_method_names) > 10_000:
+            _method_names.clear()
+        _method_names[func] = name
+    except TypeError:  # an unhashable callable
+        pass
+    return name
+
+
+def _method_name(func) -> str:
+    """Builtin, TorchScript or Python qualname, as torch's `_enable_rpc_profiler` picks it."""
     import torch
 
     builtin = torch.jit._builtins._find_builtin(func)
@@ -49,7 +68,7 @@ def profiling_key(mode: str, method: str, src: str, dst: str) -> str:
 class ClientSite:
     """What every call of one function, mode and destination shares: names, attributes, metric cells."""
 
-    __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "cells", "request_cells")
+    __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "cells", "request_cells", "trailer_head")
 
     def __init__(self, runtime, func, mode: str, dst: str):
         self.method = method_name(func)
@@ -61,6 +80,7 @@ class ClientSite:
             "torch.rpc.src": runtime.worker, "torch.rpc.dst": dst, "torch.rpc.exec_mode": mode,
             "torch.rpc.profiling_key": self.key, "torch.rpc.internal": is_internal(func),
         }
+        self.trailer_head = propagation.request_head(runtime.worker, mode)
         metrics = runtime.metrics
         self.cells = metrics.client_cells(self.method, mode, dst) if metrics else None
         self.request_cells = metrics.message_cells("serialize", "request", self.method) if metrics else None
@@ -84,7 +104,7 @@ class Call:
     def request_trailer(self) -> bytes:
         runtime, span = self.runtime, self.span
         carrier = runtime.tracer.carrier(span) if span is not None else {}
-        return propagation.request_trailer(runtime.worker, self.site.mode, carrier)
+        return propagation.request_trailer(runtime.worker, self.site.mode, carrier, self.site.trailer_head)
 
     def finish(self, error: BaseException | None) -> None:
         end_ns = _time_ns()
@@ -150,13 +170,21 @@ def _worker_name(to) -> str:
     return api._to_worker_info(to).name
 
 
-def _watch(call: Call, future, rf_future) -> None:
+def _watch(call: Call, future):
+    """Ends the call when `future` completes; returns the future the caller should wait on.
+
+    With a profiler event open, that is the future torch's own profiling path returns
+    (`_call_end_callbacks_on_future`): same value or exception, completed only after the
+    event is closed, so a profiler stopped right after wait() never races the pool thread
+    that closes it.
+    """
     try:
-        if call.rf is not None:
-            call.runtime.profiler.client_end_on(call.rf, rf_future)
         future.add_done_callback(call.on_done)
+        if call.rf is not None:
+            return call.runtime.profiler.client_end_on(call.rf, future)
     except Exception:
         _health.internal_error("client_watch")
+    return future
 
 
 def _failed(call: Call, error: BaseException) -> None:
@@ -185,8 +213,7 @@ def wrap_invoke_rpc(original):
             _failed(call, e)
             raise
         local.call = outer
-        _watch(call, future, future)
-        return future
+        return _watch(call, future)
 
     return _invoke_rpc
 
@@ -213,7 +240,12 @@ def wrap_remote(original):
         except Exception:
             _health.internal_error("client_watch")
             return rref
-        _watch(call, future, future)
+        profiled = _watch(call, future)
+        if profiled is not future:
+            try:
+                rref._set_profiling_future(profiled)  # as torch does under its legacy profiler
+            except Exception:
+                _health.internal_error("client_watch")
         return rref
 
     return remote

@@ -61,9 +61,11 @@ def _on_serialize(runtime, obj, data: bytes, tensors, seconds: float) -> bytes:
     metrics = runtime.metrics
     if metrics is not None:
         logical, traveling = tensor_sizes(tensors)
-        metrics.observe_message(cells, len(data), len(tensors), logical, traveling, seconds)
         if request:
-            metrics.add(call.site.cells[3], len(data) + len(trailer) + traveling)
+            metrics.observe_message(cells, len(data), len(tensors), logical, traveling, seconds,
+                                    call.site.cells[3], len(data) + len(trailer) + traveling)
+        else:
+            metrics.observe_message(cells, len(data), len(tensors), logical, traveling, seconds)
     return data + trailer if trailer else data
 
 

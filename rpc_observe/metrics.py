@@ -95,9 +95,12 @@ class Metrics(Collector):
                     self.tensor_bytes.child(values), self.storage_bytes.child(values),
                     self.serialization_seconds.child(values))
 
-    def observe_message(self, cells: tuple[list, ...], nbytes: int, ntensors: int,
-                        tensor_bytes: int, storage_bytes: int, seconds: float) -> None:
+    def observe_message(self, cells: tuple[list, ...], nbytes: int, ntensors: int, tensor_bytes: int,
+                        storage_bytes: int, seconds: float, sent_cell: list | None = None, sent: int = 0) -> None:
+        """One message's five histograms (and the bytes sent to its peer), under one lock."""
         with self.lock:
+            if sent_cell is not None:
+                sent_cell[0] += sent
             _observe(cells[0], SIZE_BUCKETS, nbytes)
             _observe(cells[1], COUNT_BUCKETS, ntensors)
             _observe(cells[2], SIZE_BUCKETS, tensor_bytes)
@@ -125,10 +128,6 @@ class Metrics(Collector):
     def observe_latency(self, cell: list, seconds: float) -> None:
         with self.lock:
             _observe(cell, LATENCY_BUCKETS, seconds if seconds > 0 else 0.0)
-
-    def add(self, cell: list, amount: float) -> None:
-        with self.lock:
-            cell[0] += amount
 
     def server_cell(self, method: str, src: str) -> list:
         values = (self.worker, self.cap("method", method), self.cap("peer", src))

@@ -50,8 +50,8 @@ class ProfilerEvents:
         return rf
 
     @staticmethod
-    def client_end_on(rf: Any, future: Any) -> None:
-        rf._call_end_callbacks_on_future(future)
+    def client_end_on(rf: Any, future: Any) -> Any:
+        return rf._call_end_callbacks_on_future(future)
 
     @staticmethod
     def client_end(rf: Any) -> None:

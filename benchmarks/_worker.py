@@ -1,0 +1,521 @@
+"""One RPC worker process of benchmarks/overhead.py, driven over a control channel.
+
+Run as `python [-S] _worker.py CONFIG RANK INIT_FILE`. Rank 0 (worker0) is the caller,
+rank 1 (worker1) the callee. Commands arrive as JSON lines on stdin; each answer is one
+JSON line on the file descriptor that was stdout when the process started (stdout
+itself is redirected to stderr, so nothing torch or the add-on prints can corrupt the
+channel).
+
+Config `a` is started with `python -S`: no .pth file is processed (so neither
+rpc_observe.pth nor the editable install's path entry), and the site-packages
+directories named in BENCH_SITE_DIRS are appended to sys.path by hand, which does not
+process .pth files either.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if sys.flags.no_site:
+    for _d in os.environ.get("BENCH_SITE_DIRS", "").split(os.pathsep):
+        if _d and _d not in sys.path:
+            sys.path.append(_d)
+
+import collections  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed.rpc as rpc  # noqa: E402
+
+CONFIG = sys.argv[1]
+RANK = int(sys.argv[2])
+INIT_FILE = sys.argv[3]
+PEER = "worker1"
+_ns = time.perf_counter_ns
+
+# The answer channel: the original stdout; fd 1 then points at stderr.
+_ctl = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+# -- UDFs (module level in __main__ of both workers, so they unpickle on the callee) ----
+def echo(*tensors):
+    return tensors[0] if len(tensors) == 1 else tensors
+
+
+def sink(*tensors):
+    return None
+
+
+def rss(_=None):
+    return status()
+
+
+# -- helpers ---------------------------------------------------------------------------
+def status() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value, _unit = line.split()
+                out[key[:-1]] = int(value) * 1024
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def instrumentation_state() -> dict:
+    api = sys.modules["torch.distributed.rpc.api"]
+    state = {
+        "rpc_observe_imported": "rpc_observe" in sys.modules,
+        "invoke_rpc_patched": hasattr(api._invoke_rpc, "__rpc_observe_original__"),
+        "no_site": bool(sys.flags.no_site),
+        "env_RPC_OBSERVE": os.environ.get("RPC_OBSERVE"),
+    }
+    if state["rpc_observe_imported"]:
+        rt = sys.modules.get("rpc_observe._runtime")
+        cur = getattr(rt, "current", None)
+        state["runtime"] = None if cur is None else {
+            "metrics": cur.metrics is not None,
+            "tracer": cur.tracer is not None,
+            "profiler_events": cur.profiler is not None,
+            "spans_path": cur.spans_path,
+        }
+    return state
+
+
+def check_config() -> None:
+    """Fails loudly if this process is not in the state its config promises."""
+    api = sys.modules["torch.distributed.rpc.api"]
+    patched = hasattr(api._invoke_rpc, "__rpc_observe_original__")
+    if CONFIG in ("a", "a2", "ap"):
+        assert sys.flags.no_site, "config a must run with python -S"
+        assert "rpc_observe" not in sys.modules, "config a: rpc_observe was imported"
+    elif CONFIG == "b":
+        assert not patched, "config b: torch RPC is patched although RPC_OBSERVE is unset"
+        assert "rpc_observe" not in sys.modules, "config b: rpc_observe was imported"
+    elif "client" not in os.environ.get("BENCH_UNPATCH", ""):
+        assert patched, f"config {CONFIG}: torch RPC is not patched"
+
+
+class Profiled:
+    """Config e (and the reference ap): a torch.profiler session around each measurement.
+
+    A new session per measurement keeps the profiler's memory bounded; stopping it
+    (which parses the events) happens after the timed part.
+    """
+
+    def __init__(self):
+        self.prof = None
+        self.events = None
+
+    def __enter__(self):
+        if CONFIG in ("e", "ap"):
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.__enter__()
+        return self
+
+    def stop(self):
+        if self.prof is not None:
+            # Workaround, see BENCHMARKS.md: rpc_observe ends a call's record_function in a
+            # callback of the future that rpc_sync already returned from; stopping the profiler
+            # before that callback has run corrupts the heap (segfault within ~10-300 sessions).
+            time.sleep(0.02)
+            self.prof.__exit__(None, None, None)
+            prof, self.prof = self.prof, None
+            names = {}
+            for e in prof.events():
+                if e.name.startswith("rpc_"):
+                    names[e.name] = names.get(e.name, 0) + 1
+            self.events = names
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# -- measurements (caller) ---------------------------------------------------------------
+def cmd_noop(n: int, warmup: int, raw: bool = False, **_) -> dict:
+    t = torch.ones(4)
+    for _ in range(warmup):
+        rpc.rpc_sync(PEER, echo, args=(t,))
+    lat = [0] * n
+    with Profiled() as p:
+        for i in range(n):
+            s = _ns()
+            rpc.rpc_sync(PEER, echo, args=(t,))
+            lat[i] = _ns() - s
+        p.stop()
+    lat_us = [round(x / 1e3, 1) for x in lat]
+    out = {"p50_us": pct(lat_us, 0.5), "p99_us": pct(lat_us, 0.99), "mean_us": statistics.fmean(lat_us),
+           "n": n, "profiler_rpc_events": p.events}
+    if raw:
+        out["lat_us"] = lat_us
+    return out
+
+
+def cmd_big(n: int, warmup: int, numel: int = 1 << 20, raw: bool = False, **_) -> dict:
+    t = torch.ones(numel)
+    for _ in range(warmup):
+        rpc.rpc_sync(PEER, echo, args=(t,))
+    lat = [0] * n
+    with Profiled() as p:
+        for i in range(n):
+            s = _ns()
+            out = rpc.rpc_sync(PEER, echo, args=(t,))
+            lat[i] = _ns() - s
+        p.stop()
+    assert out.numel() == numel
+    lat_us = [round(x / 1e3, 1) for x in lat]
+    res = {"p50_us": pct(lat_us, 0.5), "p90_us": pct(lat_us, 0.9), "n": n, "bytes_each_way": numel * 4}
+    if raw:
+        res["lat_us"] = lat_us
+    return res
+
+
+def cmd_thr(threads: int, seconds: float, warmup_s: float = 0.2, inflight: int = 1, **_) -> dict:
+    """`threads` threads, each keeping `inflight` rpc_async calls in flight (1: call, wait, repeat)."""
+    t = torch.ones(4)
+    stop = threading.Event()
+    counting = threading.Event()
+    counts = [0] * threads
+    start_barrier = threading.Barrier(threads + 1)
+
+    def loop(k: int) -> None:
+        start_barrier.wait()
+        c = 0
+        if inflight == 1:
+            while not stop.is_set():
+                rpc.rpc_async(PEER, echo, args=(t,)).wait()
+                if counting.is_set():
+                    c += 1
+        else:
+            window = collections.deque(rpc.rpc_async(PEER, echo, args=(t,)) for _ in range(inflight))
+            while not stop.is_set():
+                window.popleft().wait()
+                if counting.is_set():
+                    c += 1
+                window.append(rpc.rpc_async(PEER, echo, args=(t,)))
+            for f in window:
+                f.wait()
+        counts[k] = c
+
+    pool = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(threads)]
+    for th in pool:
+        th.start()
+    with Profiled() as p:
+        start_barrier.wait()
+        time.sleep(warmup_s)
+        counting.set()
+        s = time.perf_counter()
+        time.sleep(seconds)
+        counting.clear()
+        elapsed = time.perf_counter() - s
+        stop.set()
+        for th in pool:
+            th.join()
+        p.stop()
+    total = sum(counts)
+    return {"calls_per_s": total / elapsed, "calls": total, "seconds": elapsed, "threads": threads,
+            "inflight": inflight}
+
+
+def cmd_ser(n: int, warmup: int, **_) -> dict:
+    """rpc_sync time for payloads of many small tensors vs one big tensor (echoed back)."""
+    cases = {
+        "1x16B": [torch.ones(4)],
+        "8x16B": [torch.ones(4) for _ in range(8)],
+        "64x16B": [torch.ones(4) for _ in range(64)],
+        "1x4KB": [torch.ones(1024)],
+        "1x4MB": [torch.ones(1 << 20)],
+    }
+    out = {}
+    for name, tensors in cases.items():
+        count = n if "MB" not in name else max(10, n // 20)
+        for _ in range(warmup if "MB" not in name else max(3, warmup // 20)):
+            rpc.rpc_sync(PEER, echo, args=tuple(tensors))
+        lat = []
+        for _ in range(count):
+            s = _ns()
+            rpc.rpc_sync(PEER, echo, args=tuple(tensors))
+            lat.append((_ns() - s) / 1e3)
+        out[name] = {"p50_us": pct(lat, 0.5), "mean_us": statistics.fmean(lat), "n": count}
+    return out
+
+
+def cmd_pickler(n: int, **_) -> dict:
+    """In-process cost of the pickler alone: torch's serialize+deserialize vs the wrapped one.
+
+    Only meaningful in an instrumented worker (c/d/e); in a/b both columns are torch's.
+    """
+    from torch.distributed.rpc import internal
+
+    cls = internal._InternalRPCPickler
+    pickler = internal._internal_rpc_pickler
+    wrapped_ser, wrapped_de = cls.serialize, cls.deserialize
+    orig_ser = getattr(wrapped_ser, "__rpc_observe_original__", wrapped_ser)
+    orig_de = getattr(wrapped_de, "__rpc_observe_original__", wrapped_de)
+    cases = {
+        "1x16B": (torch.ones(4),),
+        "8x16B": tuple(torch.ones(4) for _ in range(8)),
+        "64x16B": tuple(torch.ones(4) for _ in range(64)),
+        "1x4KB": (torch.ones(1024),),
+        "1x4MB": (torch.ones(1 << 20),),
+    }
+    result = {}
+    for name, tensors in cases.items():
+        udf = internal.PythonUDF(echo, tensors, {})
+        row = {}
+        for label, ser, de in (("torch", orig_ser, orig_de), ("wrapped", wrapped_ser, wrapped_de)):
+            best = []
+            for _rep in range(5):
+                s = _ns()
+                for _ in range(n):
+                    data, table = ser(pickler, udf)
+                    de(pickler, data, table)
+                best.append((_ns() - s) / n / 1e3)
+            row[label + "_us"] = min(best)
+        row["added_us"] = row["wrapped_us"] - row["torch_us"]
+        result[name] = row
+    return result
+
+
+def cmd_memory(calls: int, sample_every: int, **_) -> dict:
+    """`calls` no-op RPCs; this process's and the callee's RSS every `sample_every` calls."""
+    t = torch.ones(4)
+    samples = [{"calls": 0, "caller": status(), "callee": rpc.rpc_sync(PEER, rss)}]
+    s = time.perf_counter()
+    for i in range(1, calls + 1):
+        rpc.rpc_sync(PEER, echo, args=(t,))
+        if i % sample_every == 0:
+            samples.append({"calls": i, "caller": status(), "callee": rpc.rpc_sync(PEER, rss)})
+    return {"samples": samples, "seconds": time.perf_counter() - s}
+
+
+def cmd_cprofile(n: int, out: str, **_) -> dict:
+    """cProfile of `n` no-op rpc_sync calls on this (the caller's main) thread."""
+    import cProfile
+
+    t = torch.ones(4)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        rpc.rpc_sync(PEER, echo, args=(t,))
+    prof.disable()
+    prof.dump_stats(out)
+    return {"stats": out}
+
+
+def cmd_loop(seconds: float, **_) -> dict:
+    """No-op RPCs for `seconds` (for an outside sampler such as py-spy)."""
+    t = torch.ones(4)
+    end = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < end:
+        rpc.rpc_sync(PEER, echo, args=(t,))
+        n += 1
+    return {"calls": n}
+
+
+def cmd_hotpath(n: int = 3000, **_) -> dict:
+    """Diagnostics: in-process cost (us, best of 5) of each rpc_observe hot-path step of one no-op RPC.
+
+    Runs in an instrumented worker (c/d/e) after init_rpc; nothing is sent.
+    """
+    from torch.distributed.rpc import internal
+
+    from rpc_observe import _client, _pickler, _runtime, _server, propagation
+
+    rt = _runtime.current
+    t = torch.ones(4)
+    pickler = internal._internal_rpc_pickler
+    cls = internal._InternalRPCPickler
+    orig_ser = cls.serialize.__rpc_observe_original__
+    orig_de = cls.deserialize.__rpc_observe_original__
+    udf = internal.PythonUDF(echo, (t,), {})
+    data, table = orig_ser(pickler, udf)
+    call = _client._begin(rt, PEER, echo, "sync")
+    trailer = call.request_trailer()
+    fields = propagation.split(data + trailer)[1]
+    incoming = _pickler._IncomingUDF(*udf)
+    incoming.rpc_observe_fields = fields
+    done = torch.futures.Future()
+    done.set_result(t)
+
+    def best(fn):
+        runs = []
+        for _ in range(5):
+            s = _ns()
+            for _ in range(n):
+                fn()
+            runs.append((_ns() - s) / n / 1e3)
+        return min(runs)
+
+    def client_begin_finish():
+        c = _client._begin(rt, PEER, echo, "sync")
+        c.finish(None)
+
+    def wrapped_request_ser():
+        _client.local.call = call
+        try:
+            cls.serialize(pickler, udf)
+        finally:
+            _client.local.call = None
+
+    def server_run():
+        sv = _server.Serving(rt, incoming)
+        sv.leave()
+        sv.returned(t)
+        _client.local.reply_method = None
+
+    steps = {
+        "caller: _client._begin + Call.finish (site lookup, span record, metrics)": client_begin_finish,
+        "caller: Call.request_trailer (traceparent + trailer bytes)": call.request_trailer,
+        "caller: request serialize, torch only": lambda: orig_ser(pickler, udf),
+        "caller: request serialize, wrapped (trailer, tensor_sizes, 2 metric updates)": wrapped_request_ser,
+        "caller: Future.add_done_callback on a completed future (on_done inline)": lambda: done.add_done_callback(
+            call.on_done),
+        "callee: request deserialize, torch only": lambda: orig_de(pickler, data + trailer, table),
+        "callee: request deserialize, wrapped (split, method_name, _IncomingUDF, metrics)": lambda: cls.deserialize(
+            pickler, data + trailer, table),
+        "callee: _client.method_name(func) (torch.jit builtin lookup)": lambda: _client.method_name(echo),
+        "callee: Serving init+leave+returned (server span, context attach/detach, metrics)": server_run,
+        "both: tensor_sizes([4-elem tensor])": lambda: _pickler.tensor_sizes(table),
+        "both: propagation.split": lambda: propagation.split(data + trailer),
+    }
+    if rt.tracer is not None:
+        rec = rt.tracer.start_server("x", {}, {"traceparent": fields[3].partition("=")[2]}, 0)
+        steps["callee: tracer.attach + detach (OTel context)"] = lambda: rt.tracer.detach(rt.tracer.attach(rec))
+        steps["callee: tracer.start_server (parse traceparent)"] = lambda: rt.tracer.start_server(
+            "x", {}, {"traceparent": fields[3].partition("=")[2]}, 0)
+    out = {}
+    for name, fn in steps.items():
+        try:
+            out[name] = best(fn)
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+COMMANDS = {
+    "noop": cmd_noop, "big": cmd_big, "thr": cmd_thr, "ser": cmd_ser, "pickler": cmd_pickler,
+    "memory": cmd_memory, "cprofile": cmd_cprofile, "loop": cmd_loop, "hotpath": cmd_hotpath,
+}
+
+
+def reply(obj) -> None:
+    _ctl.write(json.dumps(obj) + "\n")
+
+
+def unpatch(parts: str) -> None:
+    """Diagnostics only (BENCH_UNPATCH=client,pickler,server,done_cb): puts torch's originals back
+    for some of rpc_observe's wrappers before init_rpc, to price each wrapper separately."""
+    from torch.distributed.rpc import api, internal
+
+    def restore(owner, name):
+        current = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, current.__rpc_observe_original__)
+
+    for part in parts.split(","):
+        if part == "client":
+            restore(api, "_invoke_rpc")
+        elif part == "pickler":
+            restore(internal._InternalRPCPickler, "serialize")
+            restore(internal._InternalRPCPickler, "deserialize")
+        elif part == "server":
+            restore(internal, "_run_function")
+        elif part == "then":  # experiment: the caller waits on future.then(on_done), as torch's own profiler path does
+            from rpc_observe import _client, _runtime
+
+            original = api._invoke_rpc.__rpc_observe_original__
+
+            def _invoke_rpc(to, func, rpc_type, *args, **kwargs):
+                runtime = _runtime.current
+                call = _client._begin(runtime, to, func, rpc_type.value) if runtime is not None else None
+                if call is None:
+                    return original(to, func, rpc_type, *args, **kwargs)
+                outer = getattr(_client.local, "call", None)
+                _client.local.call = call
+                try:
+                    future = original(to, func, rpc_type, *args, **kwargs)
+                finally:
+                    _client.local.call = outer
+                if call.rf is not None:
+                    future = call.rf._call_end_callbacks_on_future(future)
+
+                def done(fut):
+                    call.on_done(fut)
+                    return fut.wait()
+
+                return future.then(done)
+
+            _invoke_rpc.__rpc_observe_original__ = original
+            api._invoke_rpc = _invoke_rpc
+        elif part == "notrailer":  # experiment: no trailer appended to requests and responses
+            from rpc_observe import propagation
+
+            propagation.request_trailer = lambda src, mode, carrier: b""
+            propagation.response_trailer = lambda method: b""
+        elif part == "done_cb":  # finish the call inline (right after the future is created) instead of in a callback
+            from rpc_observe import _client
+
+            _client._watch = lambda call, future, rf_future: None
+
+
+def main() -> None:
+    if os.environ.get("BENCH_UNPATCH"):
+        unpatch(os.environ["BENCH_UNPATCH"])
+    cpus = os.environ.get("BENCH_CPUS")
+    if cpus:  # e.g. "0" for the caller and "1" for the callee
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    kwargs = {}
+    transport = os.environ.get("BENCH_TRANSPORT", "default")
+    if transport != "default":  # "uv": TCP over 127.0.0.1 only; "shm": shared memory only
+        kwargs["_transports"] = [transport]
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{INIT_FILE}", num_worker_threads=16,
+                                              rpc_timeout=120, **kwargs)
+    rpc.init_rpc(f"worker{RANK}", rank=RANK, world_size=2, rpc_backend_options=options)
+    check_config()
+    reply({"ready": True, "pid": os.getpid(), "config": CONFIG, "rank": RANK, "state": instrumentation_state(),
+           "status": status()})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        cmd = msg.pop("cmd")
+        if cmd == "shutdown":
+            rpc.shutdown()
+            reply({"ok": True, "status": status()})
+            break
+        if cmd == "status":
+            reply({"ok": True, "status": status(), "state": instrumentation_state()})
+            continue
+        if cmd == "gc":
+            gc.collect()
+            reply({"ok": True})
+            continue
+        try:
+            reply({"ok": True, "result": COMMANDS[cmd](**msg)})
+        except Exception as e:  # report, keep serving
+            import traceback
+
+            traceback.print_exc()
+            reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
+    _ctl.close()
+
+
+if __name__ == "__main__":
+    main()
