@@ -1,8 +1,9 @@
 """Client side: `rpc_sync`, `rpc_async`, `remote` and the RRef proxies built on them.
 
 `rpc_sync` and `rpc_async` both go through `api._invoke_rpc`, so that is what is
-wrapped; `rpc_async` itself stays torch's object, because `rref_proxy._invoke_rpc`
-tells async proxies apart by identity (`rpc_api is not rpc_async`). `remote` is
+wrapped (plus `rpc_sync`, to end sync calls inline); `rpc_async` itself stays torch's
+object, because `rref_proxy._invoke_rpc` tells async proxies apart by identity
+(`rpc_api is not rpc_async`). `remote` is
 wrapped in `api` and in its `torch.distributed.rpc` re-export before `init_rpc`, when
 the C++ handler looks it up for the RRef proxies.
 A call's span, profiler event and metrics end when its future completes.
@@ -151,7 +152,10 @@ def classify(error: BaseException) -> str:
 
 def _begin(runtime, to, func, mode: str) -> Call | None:
     try:
-        dst = to if type(to) is str else _worker_name(to)
+        try:
+            dst = to if type(to) is str else _worker_name(to)
+        except Exception:  # an invalid destination: torch raises it to the caller, we count the failure
+            dst = "unknown"
         sites = runtime.client_sites
         site = sites.get((func, mode, dst))
         if site is None:
@@ -213,9 +217,51 @@ def wrap_invoke_rpc(original):
             _failed(call, e)
             raise
         local.call = outer
+        if getattr(local, "sync_waiting", False) and call.site.mode == "sync":
+            local.sync_call = call  # the rpc_sync wrapper ends it after wait(), on this thread
+            return future
         return _watch(call, future)
 
     return _invoke_rpc
+
+
+def wrap_rpc_sync(original):
+    """Wraps `api.rpc_sync`: ends the call inline once wait() returns.
+
+    A done-callback would run on the agent's pool thread, which must take the GIL (with a
+    fresh thread state) once more per call while the caller wakes up and wants it too;
+    ending the call here saves that hand-off on the commonest call of all.
+    """
+
+    def rpc_sync(*args, **kwargs):
+        if _runtime.current is None:
+            return original(*args, **kwargs)
+        outer = getattr(local, "sync_waiting", False), getattr(local, "sync_call", None)
+        local.sync_waiting, local.sync_call = True, None
+        try:
+            value = original(*args, **kwargs)
+        except BaseException as e:
+            call = local.sync_call
+            local.sync_waiting, local.sync_call = outer
+            if call is not None:
+                _failed(call, e)
+            raise
+        call = local.sync_call
+        local.sync_waiting, local.sync_call = outer
+        if call is not None:
+            _completed(call)
+        return value
+
+    return rpc_sync
+
+
+def _completed(call: Call) -> None:
+    try:
+        if call.rf is not None:
+            call.runtime.profiler.client_end(call.rf)
+        call.finish(None)
+    except Exception:
+        _health.internal_error("client_done")
 
 
 def wrap_remote(original):

@@ -25,6 +25,7 @@ def snapshot():
     return {
         "api._invoke_rpc": id(api._invoke_rpc), "api.remote": id(api.remote), "rpc.remote": id(rpc.remote),
         "api.rpc_async": id(api.rpc_async), "rpc.rpc_async": id(rpc.rpc_async), "api.rpc_sync": id(api.rpc_sync),
+        "rpc.rpc_sync": id(rpc.rpc_sync),
         "internal._run_function": id(internal._run_function),
         "pickler.serialize": id(internal._InternalRPCPickler.__dict__["serialize"]),
         "pickler.deserialize": id(internal._InternalRPCPickler.__dict__["deserialize"]),
@@ -109,7 +110,7 @@ print(json.dumps({"changed": changed, "restored": before == after, "value": valu
     assert result["changed"] == sorted([
         "api._invoke_rpc", "api.remote", "rpc.remote", "internal._run_function", "pickler.serialize",
         "pickler.deserialize", "rpc.init_rpc", "api.shutdown", "rpc.shutdown", "profile._start_trace",
-        "profile.export_chrome_trace"])  # rpc_async and rpc_sync are never replaced
+        "profile.export_chrome_trace", "api.rpc_sync", "rpc.rpc_sync"])  # rpc_async is never replaced
     spans = list((tmp_path / "out" / "spans").glob("*.jsonl"))
     assert spans and "rpc_sync#add(worker0 -> worker0)" in spans[0].read_text()
 

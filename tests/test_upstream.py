@@ -14,6 +14,7 @@ import json
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,12 @@ import pytest
 pytestmark = pytest.mark.upstream
 
 RUNNER = Path(__file__).resolve().parent / "upstream" / "run_upstream.py"
-RUN_TIMEOUT_S = 160  # per pytest run (off, on); the reruns of suspects are short
-TOTAL_TIMEOUT_S = 345  # this test must end within 6 minutes
-MIN_PASSED_OFF = 80  # of the ~100 curated tests: below that the comparison says little
+# Per pytest run (off, on): ~105 s each on an idle 2-core machine. No test starts in the
+# last 25 s, so a slow machine compares fewer tests instead of failing; a rerun of
+# suspects takes at most 40 s more.
+RUN_TIMEOUT_S = 150
+TOTAL_TIMEOUT_S = 350  # this test must end within 6 minutes
+MIN_COMPARED = 40  # of the ~100 curated tests: fewer says too little
 
 
 def _describe(items: list[dict], limit: int = 6) -> str:
@@ -58,9 +62,14 @@ def test_torch_rpc_suite_passes_with_the_addon(tmp_path: Path) -> None:
     assert not summary["problems"], "\n".join(summary["problems"][:10]) + f"\n{details}"
 
     off, on = summary["runs"]["off"], summary["runs"]["on"]
-    assert off["counts"]["passed"] >= MIN_PASSED_OFF, (
-        f"only {off['counts']['passed']} curated tests passed even without the add-on {details}:\n"
-        + _describe(summary["not_ours"]))
+    compared = summary["compared"]
+    assert compared >= MIN_COMPARED, f"only {compared} tests ran in both modes in the time budget {details}"
+    if summary["not_run_time_budget"]:
+        warnings.warn(f"run_upstream.py: {len(summary['not_run_time_budget'])} curated tests not run "
+                      f"(slow machine: time budget used up); {compared} compared")
+    assert off["counts"]["passed"] >= 0.8 * compared, (
+        f"only {off['counts']['passed']} of {compared} curated tests passed even without the add-on "
+        f"{details}:\n" + _describe(summary["not_ours"]))
     # The add-on was active in the ranks (span files matched to their pids), and only when on.
     assert on["telemetry"]["span_files"] > 0 and on["telemetry"]["spans"] > 0
     assert on["telemetry"]["passed_spawn_tests"] >= 1, "no test with torch's spawned ranks passed with the add-on"

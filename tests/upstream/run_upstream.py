@@ -47,6 +47,8 @@ THIS = Path(__file__).resolve()
 PREFIX = "TensorPipe"
 START_METHOD_ENV = "RPC_UPSTREAM_START_METHOD"  # spawn | forkserver | auto
 PIDS_ENV = "RPC_UPSTREAM_PIDS"  # a file: one JSON line per test, with its ranks' pids
+DEADLINE_ENV = "RPC_UPSTREAM_DEADLINE"  # epoch seconds after which no test starts (pytest_runtest_setup)
+DEADLINE_SKIP = "run_upstream: time budget used up (--timeout); not run"
 
 # The curated subset: "<generated class>.<test method>". Chosen to cover what the
 # add-on wraps (the client calls, the pickler, the UDF runner, remote/RRef proxies,
@@ -70,8 +72,9 @@ SUBSET = [
     "TensorPipeRpcTest.test_pickle_future",
     "TensorPipeTensorPipeAgentRpcTest.test_send_to_rank_sparse",
     "TensorPipeTensorPipeAgentRpcTest.test_py_sparse_tensors_in_container",
-    # Builtins (C++ ops: no Python UDF, no pickled request).
+    # Builtins (C++ ops: no Python UDF, no pickled request), to valid and invalid ranks.
     "TensorPipeRpcTest.test_add",
+    "TensorPipeRpcTest.test_send_to_rank",
     "TensorPipeRpcTest.test_async_add",
     "TensorPipeRpcTest.test_scalar_add",
     "TensorPipeRpcTest.test_self_add",
@@ -128,13 +131,12 @@ SUBSET = [
     "TensorPipeRpcTest.test_callback_with_error",
     "TensorPipeRpcTest.test_handle_send_exceptions",
     "TensorPipeRpcTest.test_rpc_timeouts",
-    "TensorPipeRpcTest.test_default_timeout_used",
     "TensorPipeRpcTest.test_rref_timeout",
     "TensorPipeRpcTest.test_wait_all_timeout",
     "TensorPipeTensorPipeAgentRpcTest.test_tensorpipe_set_default_timeout",
     # The legacy (autograd) profiler over RPC: remote events, keys, record_function, exported traces.
-    "TensorPipeRpcTest.test_profiler_with_sync_rpc_udf",
     "TensorPipeRpcTest.test_profiler_with_async_rpc_builtin",
+    "TensorPipeRpcTest.test_profiler_with_async_rpc_udf",  # also under torch.profiler: see KNOWN_DIFFERENCES
     "TensorPipeRpcTest.test_profiler_with_remote_udf",
     "TensorPipeRpcTest.test_profiler_with_script_async_rpc",
     "TensorPipeRpcTest.test_profiler_with_autograd_context",
@@ -162,13 +164,25 @@ SUBSET = [
     "TensorPipeReinforcementLearningRpcTest.test_rl_rpc",
 ]
 
+# Tests whose outcome differs with the add-on for a known reason, reported to the
+# add-on's maintainers. A difference here is reported as "known", not as a regression;
+# once it no longer shows, the run fails until the entry is removed (like a strict xfail).
+KNOWN_DIFFERENCES = {
+    "TensorPipeRpcTest.test_profiler_with_async_rpc_udf":
+        "deliberate (issue 2): under torch.profiler (Kineto) the add-on records a record_function "
+        "named with torch's profiling key (rpc_async#...), which is the product; torch's test asserts "
+        "that no such event exists under Kineto (profiler_events.ProfilerEvents.client_start)",
+    "TensorPipeRpcTest.test_profiler_with_async_rpc_udf_single_threaded":
+        "same as TensorPipeRpcTest.test_profiler_with_async_rpc_udf",
+}
+
 # In the default start-method mode ("auto") these still start their ranks with torch's
 # "spawn" (a fresh interpreter per rank, which must pick RPC_OBSERVE=1 up through the
 # .pth hook on its own, ~6 s a test here); the others fork their ranks from a
 # forkserver (see _spawn_processes). Each calls init_rpc on every rank.
 SPAWN_TESTS = [
     "TensorPipeRpcTest.test_py_user_defined",
-    "TensorPipeRpcTest.test_rref_proxy_class",
+    "TensorPipeRpcTest.test_rref_proxy_tensor",
 ]
 
 # The generated classes --full runs: every suite of torch's test_tensorpipe_agent.py
@@ -190,6 +204,7 @@ FULL_CLASSES = [
 ]
 
 ADDON_WARNING = re.compile(r"^.*rpc_observe: .*$", re.MULTILINE)
+INTERNAL_ERROR = "rpc_observe: internal error"
 
 
 def _generate_suites(namespace: dict) -> None:
@@ -222,6 +237,10 @@ def _spawn_processes(self) -> None:
     method = os.environ.get(START_METHOD_ENV, "spawn")
     if method == "auto":
         method = "spawn" if test_id in SPAWN_TESTS else "forkserver"
+    try:
+        mp.set_start_method("spawn")  # the process-wide default, as torch's _spawn_processes sets it
+    except RuntimeError:
+        pass
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload([type(self).__module__])
@@ -231,6 +250,18 @@ def _spawn_processes(self) -> None:
         with open(pids_file, "a", encoding="utf-8") as f:
             f.write(json.dumps({"id": test_id, "start_method": method,
                                 "pids": [p.pid for p in self.processes]}) + "\n")
+
+
+def pytest_runtest_setup(item) -> None:
+    """A pytest hook (the runner loads this module with -p): past the deadline, skip what is left.
+
+    So a run on a slow machine still ends with a junit report of the tests that did run.
+    """
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline and time.time() > float(deadline):
+        import pytest
+
+        pytest.skip(DEADLINE_SKIP)
 
 
 if __name__ != "__main__":  # imported by the inner pytest, or by a spawned rank
@@ -251,15 +282,20 @@ def _base_env() -> dict[str, str]:
         env.pop(name, None)  # file:// init, as torch's run_test.py does by default
     # Read by common_distributed at import: a hung test fails after this, not after 300 s.
     env.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")
+    # pytest loads this file as a plugin (-p run_upstream), and the ranks unpickle its classes.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
-def mode_env(mode: str, out_dir: Path, start_method: str, pids_file: Path) -> dict[str, str]:
+def mode_env(mode: str, out_dir: Path, start_method: str, pids_file: Path,
+             deadline: float | None = None) -> dict[str, str]:
     env = _base_env()
     env[START_METHOD_ENV] = start_method
     env[PIDS_ENV] = str(pids_file)
+    if deadline is not None:
+        env[DEADLINE_ENV] = str(deadline)
     if mode == "on":
         env["RPC_OBSERVE"] = "1"
         env["OTEL_TRACES_EXPORTER"] = "file"
@@ -275,12 +311,12 @@ def node_ids(full: bool, ids: list[str] | None = None) -> list[str]:
     return [f"{THIS}::{tid.replace('.', '::')}" for tid in SUBSET]
 
 
-def pytest_command(selection: list[str], junit: Path, k_expr: str | None, verbose: bool) -> list[str]:
+def build_pytest_command(selection: list[str], junit: Path, k_expr: str | None, verbose: bool) -> list[str]:
     # -c /dev/null, --rootdir and --confcutdir: neither the project's pytest settings nor its
     # conftest.py files apply to torch's tests.
     cmd = [sys.executable, "-m", "pytest", *selection,
            "-c", os.devnull, "--rootdir", str(HERE), "--confcutdir", str(HERE),
-           "-p", "no:cacheprovider", "-p", "no:warnings", f"--junitxml={junit}",
+           "-p", THIS.stem, "-p", "no:cacheprovider", "-p", "no:warnings", f"--junitxml={junit}",
            "-o", "junit_logging=out-err", "-o", "junit_family=xunit1", "--tb=short",
            "-v" if verbose else "-q"]
     if k_expr:
@@ -297,9 +333,11 @@ def run_mode(tag: str, mode: str, workdir: Path, selection: list[str], k_expr: s
     for stale in (junit, pids_file):
         stale.unlink(missing_ok=True)
     start = time.monotonic()
+    # No test starts in the last part of the time budget, so that pytest ends on its own, with a report.
+    deadline = time.time() + timeout - min(25.0, 0.2 * timeout) if timeout else None
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(pytest_command(selection, junit, k_expr, verbose),
-                                env=mode_env(mode, out_dir, start_method, pids_file), cwd=str(HERE),
+        proc = subprocess.Popen(build_pytest_command(selection, junit, k_expr, verbose),
+                                env=mode_env(mode, out_dir, start_method, pids_file, deadline), cwd=str(HERE),
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         _running.append(proc)
         try:
@@ -362,8 +400,8 @@ def parse_junit(path: Path) -> dict[str, dict]:
 def _failure_summary(text: str) -> str:
     """The ranks' exception lines of a MultiProcessTestCase failure, else its last line."""
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    picked = [ln.strip() for ln in lines
-              if re.match(r"^\s*(E\s+)?(Process \d+ |[\w.]*(Error|Exception|Timeout)\b)", ln)]
+    lines = [re.sub(r"^E\s+", "", ln).strip() for ln in lines]  # pytest's --tb=short marks
+    picked = [ln for ln in lines if re.match(r"^(Process \d+ |[\w.]*(Error|Exception|Timeout)\b)", ln)]
     return " | ".join(dict.fromkeys(picked))[:2000] if picked else (lines[-1] if lines else "")
 
 
@@ -418,21 +456,40 @@ def inspect_observe_dir(out_dir: Path, pids_file: Path, outcomes: dict[str, dict
                                                          for method, ranks, observed in passed)}
 
 
+def internal_errors(outcome: dict) -> list[str]:
+    return [w for w in outcome.get("addon_warnings", []) if INTERNAL_ERROR in w]
+
+
 def compare(off: dict, on: dict, reruns: list[dict]) -> dict:
-    """Regressions (passed off, not on, not on any rerun either), flaky ones, and "not ours"."""
-    regressions, flaky, not_ours, only_on = [], [], [], []
+    """Regressions (passed off, not on, not on a rerun either), flaky and known ones, "not ours"."""
+    regressions, flaky, known, stale, not_ours, only_on, unrun = [], [], [], [], [], [], []
     for tid in sorted(set(off["outcomes"]) | set(on["outcomes"])):
         a, b = off["outcomes"].get(tid, MISSING), on["outcomes"].get(tid, MISSING)
+        if DEADLINE_SKIP in (a["message"], b["message"]):
+            unrun.append(tid)
+            continue
         if a["outcome"] != "passed":
             not_ours.append({"id": tid, "outcome": a["outcome"], "reason": a["message"]})
             if a["outcome"] in ("failed", "error") and b["outcome"] == "passed":
                 only_on.append(tid)
+            continue
+        entry = {"id": tid, "outcome": b["outcome"], "reason": b["message"], "details": b.get("details", "")}
+        if tid in KNOWN_DIFFERENCES:
+            if b["outcome"] == "passed" and not internal_errors(b):
+                stale.append(tid)
+            else:
+                known.append(entry | {"reason": f"{b['outcome']}: {b['message'][:300]}" if b["outcome"] != "passed"
+                                      else internal_errors(b)[0], "known": KNOWN_DIFFERENCES[tid]})
         elif b["outcome"] != "passed":
-            entry = {"id": tid, "outcome": b["outcome"], "reason": b["message"], "details": b.get("details", "")}
             retried = [r["outcomes"].get(tid, MISSING)["outcome"] for r in reruns if tid in r["selected"]]
             (flaky if "passed" in retried else regressions).append(entry | {"reruns": retried})
-    return {"regressions": regressions, "flaky_with_addon": flaky, "not_ours": not_ours,
-            "passed_only_with_addon": only_on}
+        elif internal_errors(b):  # passed, but the add-on failed inside: a bug all the same
+            regressions.append(entry | {"outcome": "internal error", "reason": internal_errors(b)[0],
+                                        "details": b.get("details") or "\n".join(b["addon_warnings"]),
+                                        "reruns": []})
+    return {"regressions": regressions, "flaky_with_addon": flaky, "known_differences": known,
+            "known_differences_gone": stale, "not_ours": not_ours, "passed_only_with_addon": only_on,
+            "not_run_time_budget": unrun, "compared": len(set(off["outcomes"]) | set(on["outcomes"])) - len(unrun)}
 
 
 def count(outcomes: dict) -> dict:
@@ -472,6 +529,8 @@ def check_selection(results: dict[str, dict], expected: list[str]) -> list[str]:
                             + ", ".join(missing[:5]))
         if r["timed_out"]:
             problems.append(f"the {r['tag']} run was killed after {r['seconds']:.0f}s (--timeout)")
+        elif r["exit_code"] not in (0, 1):  # 1: some test failed; others: pytest itself did not work
+            problems.append(f"pytest exited {r['exit_code']} in the {r['tag']} run (see {r['log']})")
     return problems
 
 
@@ -510,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if args.full:  # torch's own per-test limit; the subset's tests get 120 s (_base_env)
+        os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "300")
     keep = args.junit is not None
     workdir = args.junit.resolve() if keep else Path(tempfile.mkdtemp(prefix="rpc_upstream-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -530,12 +591,15 @@ def main(argv: list[str] | None = None) -> int:
     reruns: list[dict] = []
     if "off" in results and "on" in results:
         suspects = [tid for tid, o in results["off"]["outcomes"].items() if o["outcome"] == "passed"
-                    and results["on"]["outcomes"].get(tid, MISSING)["outcome"] != "passed"]
+                    and results["on"]["outcomes"].get(tid, MISSING)["outcome"] != "passed"
+                    and results["on"]["outcomes"].get(tid, MISSING)["message"] != DEADLINE_SKIP
+                    and tid not in KNOWN_DIFFERENCES]
         for i in range(args.rerun if suspects else 0):
             say(f"[on-rerun{i + 1}] {len(suspects)} tests that passed off but not on")
-            r = run_mode(f"on-rerun{i + 1}", "on", workdir, node_ids(False, suspects), None, timeout,
-                         args.verbose, args.start_method)
-            r["selected"] = suspects
+            retry = suspects[:10]  # more than that is no flake
+            r = run_mode(f"on-rerun{i + 1}", "on", workdir, node_ids(False, retry), None,
+                         min(timeout or 300.0, 40.0 + 8.0 * len(retry)), args.verbose, args.start_method)
+            r["selected"] = retry
             reruns.append(r)
             suspects = [tid for tid in suspects if r["outcomes"].get(tid, MISSING)["outcome"] != "passed"]
             if not suspects:
@@ -550,9 +614,14 @@ def main(argv: list[str] | None = None) -> int:
         failed = [{"id": t, "outcome": o["outcome"], "reason": o["message"], "details": o.get("details", "")}
                   for t, o in r["outcomes"].items() if o["outcome"] in ("failed", "error")]
         verdict = {"regressions": failed if r["mode"] == "on" else [], "flaky_with_addon": [],
-                   "not_ours": [] if r["mode"] == "on" else failed, "passed_only_with_addon": []}
+                   "known_differences": [], "known_differences_gone": [],
+                   "not_ours": [] if r["mode"] == "on" else failed, "passed_only_with_addon": [],
+                   "not_run_time_budget": [t for t, o in r["outcomes"].items() if o["message"] == DEADLINE_SKIP],
+                   "compared": 0}
+    problems += [f"{tid} is in KNOWN_DIFFERENCES but now behaves the same with the add-on: remove it"
+                 for tid in verdict["known_differences_gone"]]
     warnings = [{"id": t, "warnings": o["addon_warnings"]} for t, o in results.get("on", {"outcomes": {}})
-                ["outcomes"].items() if o["addon_warnings"]]
+                ["outcomes"].items() if o["addon_warnings"] and t not in KNOWN_DIFFERENCES]
 
     summary = {"full": args.full, "k": args.k_expr, "start_method": args.start_method,
                "runs": {r["tag"]: {k: v for k, v in r.items() if k != "outcomes"} | {"counts": count(r["outcomes"])}
@@ -562,21 +631,28 @@ def main(argv: list[str] | None = None) -> int:
                **{k: v for k, v in verdict.items()}, "addon_warnings": warnings, "problems": problems}
     with open(workdir / "summary.json", "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    if verdict["regressions"] or verdict["flaky_with_addon"]:
+    if verdict["regressions"] or verdict["flaky_with_addon"] or verdict["known_differences"]:
         with open(workdir / "regressions.txt", "w") as f:
-            for x in verdict["regressions"] + verdict["flaky_with_addon"]:
+            for x in verdict["regressions"] + verdict["flaky_with_addon"] + verdict["known_differences"]:
                 f.write(f"==== {x['id']}: {x['outcome']} (reruns: {x.get('reruns')})\n{x['details']}\n\n")
 
-    label = "regressions (passed without the add-on, failed with it)" if "off" in results else "failures"
+    label = ("regressions (passed without the add-on, failed with it)" if len(results) == 2
+             else f"failures (add-on {next(iter(results))})")
     print(f"{label}: {len(verdict['regressions'])}")
     for x in verdict["regressions"]:
         print(f"  REGRESSION {x['id']}: {x['outcome']}: {x['reason'][:500]}")
     for x in verdict["flaky_with_addon"]:
         print(f"  flaky with the add-on (failed, then passed on rerun) {x['id']}: {x['reason'][:300]}")
+    if verdict["known_differences"]:
+        print(f"known differences (KNOWN_DIFFERENCES): {len(verdict['known_differences'])}")
+        for x in verdict["known_differences"]:
+            print(f"  {x['id']}: {x['reason'][:200]}")
     if verdict["not_ours"]:
         print(f"not ours (failed or skipped without the add-on too): {len(verdict['not_ours'])}")
         for x in verdict["not_ours"][: None if not args.quiet else 10]:
             print(f"  {x['id']}: {x['outcome']}: {x['reason'][:300]}")
+    if verdict["not_run_time_budget"]:
+        print(f"not run, time budget used up (--timeout): {len(verdict['not_run_time_budget'])} tests")
     if verdict["passed_only_with_addon"]:
         print("failed without the add-on but passed with it (flaky?): " + ", ".join(verdict["passed_only_with_addon"]))
     if warnings:
