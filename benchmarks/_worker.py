@@ -439,33 +439,6 @@ def unpatch(parts: str) -> None:
             restore(internal._InternalRPCPickler, "deserialize")
         elif part == "server":
             restore(internal, "_run_function")
-        elif part == "then":  # experiment: the caller waits on future.then(on_done), as torch's own profiler path does
-            from rpc_observe import _client, _runtime
-
-            original = api._invoke_rpc.__rpc_observe_original__
-
-            def _invoke_rpc(to, func, rpc_type, *args, **kwargs):
-                runtime = _runtime.current
-                call = _client._begin(runtime, to, func, rpc_type.value) if runtime is not None else None
-                if call is None:
-                    return original(to, func, rpc_type, *args, **kwargs)
-                outer = getattr(_client.local, "call", None)
-                _client.local.call = call
-                try:
-                    future = original(to, func, rpc_type, *args, **kwargs)
-                finally:
-                    _client.local.call = outer
-                if call.rf is not None:
-                    future = call.rf._call_end_callbacks_on_future(future)
-
-                def done(fut):
-                    call.on_done(fut)
-                    return fut.wait()
-
-                return future.then(done)
-
-            _invoke_rpc.__rpc_observe_original__ = original
-            api._invoke_rpc = _invoke_rpc
         elif part == "notrailer":  # experiment: no trailer appended to requests and responses
             from rpc_observe import propagation
 

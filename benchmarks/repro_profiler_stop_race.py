@@ -5,7 +5,6 @@ mode now runs its 400 sessions cleanly.
 
     python benchmarks/repro_profiler_stop_race.py            # segfault / abort within ~10-400 sessions
     python benchmarks/repro_profiler_stop_race.py --settle   # sleep 20 ms before each stop: no crash
-    python benchmarks/repro_profiler_stop_race.py --fixed    # caller waits on rf._call_end_callbacks_on_future(fut)
 
 Why: rpc_observe's client wrapper starts a record_function for the call (Kineto active on
 this thread) and ends it with `rf._call_end_callbacks_on_future(fut)`, but returns the
@@ -13,8 +12,8 @@ original `fut` to rpc_sync. `Future.wait()` wakes the caller as soon as the futu
 marked complete, before its callbacks have run, so the caller can stop the profiler while
 a pool thread is still ending the record_function into the profiler's freed state.
 torch's own (legacy-profiler) path returns the future from `_call_end_callbacks_on_future`
-instead, so the caller cannot get ahead of the end callback; `--fixed` does the same by
-monkeypatching `api._invoke_rpc` in this script's process only.
+instead, so the caller cannot get ahead of the end callback; rpc_observe now does
+the same.
 """
 
 from __future__ import annotations
@@ -29,33 +28,6 @@ def echo(t):
     return t
 
 
-def fixed_invoke_rpc() -> None:
-    from torch.distributed.rpc import api
-
-    from rpc_observe import _client, _runtime
-
-    original = api._invoke_rpc.__rpc_observe_original__
-
-    def _invoke_rpc(to, func, rpc_type, *args, **kwargs):
-        runtime = _runtime.current
-        call = _client._begin(runtime, to, func, rpc_type.value) if runtime is not None else None
-        if call is None:
-            return original(to, func, rpc_type, *args, **kwargs)
-        outer = getattr(_client.local, "call", None)
-        _client.local.call = call
-        try:
-            future = original(to, func, rpc_type, *args, **kwargs)
-        finally:
-            _client.local.call = outer
-        if call.rf is not None:
-            future = call.rf._call_end_callbacks_on_future(future)  # the caller now waits for the end callback
-        future.add_done_callback(call.on_done)
-        return future
-
-    _invoke_rpc.__rpc_observe_original__ = original
-    api._invoke_rpc = _invoke_rpc
-
-
 def worker(rank: int, init: str, sessions: int, mode: str) -> None:
     import time
 
@@ -63,8 +35,6 @@ def worker(rank: int, init: str, sessions: int, mode: str) -> None:
     import torch.distributed.rpc as rpc
     from torch.profiler import ProfilerActivity, profile
 
-    if rank == 0 and mode == "fixed":
-        fixed_invoke_rpc()
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init}", num_worker_threads=16)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
@@ -84,7 +54,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5])
         return 0
-    mode = "settle" if "--settle" in sys.argv else "fixed" if "--fixed" in sys.argv else "plain"
+    mode = "settle" if "--settle" in sys.argv else "plain"
     sessions = 400
     tmp = tempfile.mkdtemp()
     env = dict(os.environ, RPC_OBSERVE="1", RPC_OBSERVE_DIR=os.path.join(tmp, "out"))

@@ -191,13 +191,14 @@ def _watch(call: Call, future):
     return future
 
 
-def _failed(call: Call, error: BaseException) -> None:
+def _end_inline(call: Call, error: BaseException | None) -> None:
+    """Ends a call on the caller's thread: it failed before a future, or rpc_sync's wait() returned."""
     try:
         if call.rf is not None:
             call.runtime.profiler.client_end(call.rf)
         call.finish(error)
     except Exception:
-        _health.internal_error("client_fail")
+        _health.internal_error("client_end")
 
 
 def wrap_invoke_rpc(original):
@@ -214,7 +215,7 @@ def wrap_invoke_rpc(original):
             future = original(to, func, rpc_type, *args, **kwargs)
         except BaseException as e:
             local.call = outer
-            _failed(call, e)
+            _end_inline(call, e)
             raise
         local.call = outer
         if getattr(local, "sync_waiting", False) and call.site.mode == "sync":
@@ -244,24 +245,15 @@ def wrap_rpc_sync(original):
             call = local.sync_call
             local.sync_waiting, local.sync_call = outer
             if call is not None:
-                _failed(call, e)
+                _end_inline(call, e)
             raise
         call = local.sync_call
         local.sync_waiting, local.sync_call = outer
         if call is not None:
-            _completed(call)
+            _end_inline(call, None)
         return value
 
     return rpc_sync
-
-
-def _completed(call: Call) -> None:
-    try:
-        if call.rf is not None:
-            call.runtime.profiler.client_end(call.rf)
-        call.finish(None)
-    except Exception:
-        _health.internal_error("client_done")
 
 
 def wrap_remote(original):
@@ -278,7 +270,7 @@ def wrap_remote(original):
             rref = original(to, func, *args, **kwargs)
         except BaseException as e:
             local.call = outer
-            _failed(call, e)
+            _end_inline(call, e)
             raise
         local.call = outer
         try:
