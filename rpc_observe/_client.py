@@ -169,6 +169,10 @@ def _begin(runtime, to, func, mode: str) -> Call | None:
 
 
 def _worker_name(to) -> str:
+    """The name of a WorkerInfo or rank (RRef proxies pass `rref.owner()`, a WorkerInfo)."""
+    name = getattr(to, "name", None)
+    if isinstance(name, str):
+        return name
     from torch.distributed.rpc import api
 
     return api._to_worker_info(to).name
