@@ -15,12 +15,6 @@ _logger = logging.getLogger("rpc_observe")
 _applied: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, wrapper)
 
 
-def original(owner: Any, name: str) -> Any:
-    """The unwrapped object at owner.name (the attribute itself if it is not ours)."""
-    value = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
-    return getattr(value, "__rpc_observe_original__", value)
-
-
 def patch(owner: Any, name: str, make_wrapper: Callable[[Any], Any]) -> None:
     """Replaces owner.name by make_wrapper(original); does nothing if already patched."""
     current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
@@ -53,6 +47,3 @@ def restore_all() -> None:
             _logger.warning("rpc_observe: %s.%s was patched again by someone else; leaving it",
                             getattr(owner, "__name__", owner), name)
 
-
-def patched() -> list[tuple[Any, str]]:
-    return [(owner, name) for owner, name, _, _ in _applied]

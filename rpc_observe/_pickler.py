@@ -71,9 +71,13 @@ def _on_serialize(runtime, obj, data: bytes, tensors, seconds: float) -> bytes:
 
 def _on_deserialize(runtime, obj, data: bytes, tensors, seconds: float):
     size, fields = propagation.split(data)
+    metrics = runtime.metrics
     if type(obj) is _PythonUDF or isinstance(obj, AttributeError):
         message = "request"
-        method = _UNKNOWN if isinstance(obj, AttributeError) else _client.method_name(obj.func)
+        if metrics is None:
+            method = _UNKNOWN  # only the metric label needs it
+        else:
+            method = _UNKNOWN if isinstance(obj, AttributeError) else _client.method_name(obj.func)
         if fields is not None and fields[0] == "q":
             if isinstance(obj, AttributeError):
                 obj.rpc_observe_fields = fields
@@ -82,8 +86,7 @@ def _on_deserialize(runtime, obj, data: bytes, tensors, seconds: float):
                 obj.rpc_observe_fields = fields
     else:
         message = "response"
-        method = fields[1] if fields is not None and fields[0] == "r" and len(fields) > 1 else _UNKNOWN
-    metrics = runtime.metrics
+        method = fields[1] if fields is not None and fields[0] == "r" else _UNKNOWN
     if metrics is not None:
         logical, traveling = tensor_sizes(tensors)
         cells = _message_cells(runtime, "deserialize", message, method)

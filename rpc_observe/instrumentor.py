@@ -21,12 +21,12 @@ RPC_MODULE = "torch.distributed.rpc"
 
 
 def _patch_rpc(rpc: Any = None) -> None:
-    """Wraps the client calls, the pickler, the UDF runner, init_rpc and shutdown."""
+    """Wraps the client calls, the pickler, the UDF runner, init_rpc and shutdown of `rpc`."""
     from torch.distributed.rpc import api, internal
 
     from . import _client, _pickler, _server
 
-    rpc = sys.modules[RPC_MODULE]
+    rpc = rpc if rpc is not None else sys.modules[RPC_MODULE]
     _patching.patch(api, "_invoke_rpc", _client.wrap_invoke_rpc)
     _patching.patch(api, "rpc_sync", _client.wrap_rpc_sync)
     _patching.share(rpc, "rpc_sync", api, "rpc_sync")

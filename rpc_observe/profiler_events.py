@@ -113,8 +113,6 @@ class ProfilerEvents:
         self.armed = self.armed or _profiler_enabled()
 
 
-native_thread_id = threading.get_native_id
-
 
 class ProfileSession:
     """RPC_OBSERVE_PROFILE=1: torch.profiler from init_rpc to shutdown, written per worker.

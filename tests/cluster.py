@@ -65,6 +65,19 @@ class Cluster:
             time.sleep(0.1)
         return json.loads(self.ready_file.read_text())
 
+    def scrape_held(self, timeout: float = 90, killed: tuple[int, ...] = (),
+                    workers: tuple[str, ...] | None = None) -> tuple[dict, dict[str, list]]:
+        """Waits for the held scenario, scrapes the workers' endpoints (all by default), then lets them finish.
+
+        Returns rank 0's result and {worker: parsed samples}.
+        """
+        try:
+            result = self.wait_ready(timeout)
+            parsed = {w: samples(scrape(t)) for w, t in self.targets().items() if workers is None or w in workers}
+        finally:
+            self.wait(timeout=max(timeout, 120), killed=killed)
+        return result, parsed
+
     def release(self) -> None:
         self.hold_file.unlink(missing_ok=True)
 

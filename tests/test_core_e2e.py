@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -47,7 +46,7 @@ def test_results_and_exceptions_identical_on_and_off(basic_off, basic_on):
     # torch's own behaviour, kept: KeyError reaches rpc_sync as RuntimeError, remote().to_here() as KeyError.
     assert basic_on[1][0]["fail_key_sync"] == {"error": "RuntimeError"}
     assert basic_on[1][0]["fail_key_remote"] == {"error": "KeyError"}
-    assert basic_off[0].spans() == []
+    assert not basic_off[0].out_dir.exists()  # off: no span, target or profiler file at all
 
 
 def test_each_python_call_is_a_client_span_joined_to_a_server_span(basic_on):
@@ -177,10 +176,6 @@ def test_callee_without_the_addon_still_serves(tmp_path, basic_off):
     # worker2 serves a call relayed by the uninstrumented worker1: it starts its own trace.
     (server,) = [s for s in spans if s["kind"] == 2 and s["name"].startswith("rpc_unknown#nested(unknown -> worker2)")]
     assert "parentSpanId" not in server
-
-
-def test_profile_env_var_writes_no_files_when_off(basic_off):
-    assert not (Path(basic_off[0].out_dir) / "spans").exists()
 
 
 def test_profile_env_var_writes_per_worker_traces_that_hta_loads(tmp_path):

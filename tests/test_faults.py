@@ -75,11 +75,8 @@ def test_bad_configuration_warns_by_name_and_results_are_unchanged(tmp_path, ref
 
 def test_hostile_trace_context_is_ignored_and_the_call_runs(tmp_path):
     cluster = Cluster(tmp_path, "hostile", env={"RPC_OBSERVE": "1"}, hold=True)
-    try:
-        result = cluster.wait_ready()
-        parsed = samples(scrape(cluster.targets()["worker1"]))
-    finally:
-        cluster.wait()
+    result, scraped = cluster.scrape_held()
+    parsed = scraped["worker1"]
     for name, outcome in result.items():
         assert outcome["value"] == [2.0, 2.0, 2.0], name
         assert outcome["ms"] < 1000, name  # bounded cost
@@ -93,11 +90,8 @@ def test_hostile_trace_context_is_ignored_and_the_call_runs(tmp_path):
 
 def test_failing_telemetry_is_counted_and_never_reaches_the_call(tmp_path, reference):
     cluster = Cluster(tmp_path, "basic", env={"RPC_OBSERVE": "1", "SCENARIO_BREAK": "1"}, hold=True)
-    try:
-        result = cluster.wait_ready()
-        parsed = samples(scrape(cluster.targets()["worker0"]))
-    finally:
-        cluster.wait()
+    result, scraped = cluster.scrape_held()
+    parsed = scraped["worker0"]
     assert result == reference
     errors = {l["where"]: v for n, l, v in parsed if n == "rpc_observe_internal_errors_total"}
     assert errors.get("serialize", 0) > 0 and errors.get("client_done", 0) > 0
@@ -106,11 +100,8 @@ def test_failing_telemetry_is_counted_and_never_reaches_the_call(tmp_path, refer
 
 def test_worker_death_gives_torchs_error_and_nothing_hangs(tmp_path):
     cluster = Cluster(tmp_path, "death", env={"RPC_OBSERVE": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"}, hold=True)
-    try:
-        result = cluster.wait_ready(timeout=120)
-        parsed = samples(scrape(cluster.targets()["worker0"]))
-    finally:
-        cluster.wait(killed=(2,))
+    result, scraped = cluster.scrape_held(timeout=120, killed=(2,), workers=("worker0",))
+    parsed = scraped["worker0"]
     assert result["errors"] == ["RuntimeError"] * 4  # torch's own error for a lost peer
     assert result["alive"] == [2.0]
     assert total(parsed, "torch_rpc_client_in_flight", dst="worker2") == 0
@@ -121,11 +112,8 @@ def test_worker_death_gives_torchs_error_and_nothing_hangs(tmp_path):
 
 def test_timeouts_keep_torchs_error_and_say_timeout(tmp_path, reference):
     cluster = Cluster(tmp_path, "basic", env={"RPC_OBSERVE": "1"}, hold=True)
-    try:
-        result = cluster.wait_ready()
-        parsed = samples(scrape(cluster.targets()["worker0"]))
-    finally:
-        cluster.wait()
+    result, scraped = cluster.scrape_held()
+    parsed = scraped["worker0"]
     assert result["timeout"] == reference["timeout"] == {"error": "RuntimeError"}
     assert total(parsed, "torch_rpc_client_errors_total", method="sleep_for", exception="timeout") == 1
 
@@ -145,11 +133,7 @@ def test_rref_inside_arguments(tmp_path):
 
 def test_soak_counts_are_exact_and_every_call_has_its_spans(tmp_path):
     cluster = Cluster(tmp_path, "soak", env={"RPC_OBSERVE": "1", "SCENARIO_CALLS": "60"}, hold=True)
-    try:
-        result = cluster.wait_ready(timeout=300)
-        parsed = {w: samples(scrape(t)) for w, t in cluster.targets().items()}
-    finally:
-        cluster.wait(timeout=300)
+    result, parsed = cluster.scrape_held(timeout=300)
     counts = result["counts"]
     calls = sum(counts.values())
     assert calls == 2 * 16 * 60
@@ -175,11 +159,11 @@ def test_no_argument_values_in_spans_or_metrics(tmp_path):
     cluster = Cluster(tmp_path, "marker", env={"RPC_OBSERVE": "1"}, hold=True)
     try:
         cluster.wait_ready()
-        texts = [scrape(t) for t in cluster.targets().values()]
+        texts = [scrape(t) for t in cluster.targets().values()]  # the raw exposition text
     finally:
         cluster.wait()
     span_text = "".join(p.read_text() for p in (cluster.out_dir / "spans").glob("*.jsonl"))
-    assert "echo_kw" in span_text and all("echo_kw" in t for t in texts[:1])
+    assert "echo_kw" in span_text and len(texts) == 3 and all("echo_kw" in t for t in texts)
     assert MARKER not in span_text and not any(MARKER in t for t in texts)
 
 
