@@ -133,10 +133,6 @@ class Profiled:
 
     def stop(self):
         if self.prof is not None:
-            # Workaround, see BENCHMARKS.md: rpc_observe ends a call's record_function in a
-            # callback of the future that rpc_sync already returned from; stopping the profiler
-            # before that callback has run corrupts the heap (segfault within ~10-300 sessions).
-            time.sleep(0.02)
             self.prof.__exit__(None, None, None)
             prof, self.prof = self.prof, None
             names = {}
@@ -150,27 +146,8 @@ class Profiled:
 
 
 # -- measurements (caller) ---------------------------------------------------------------
-def cmd_noop(n: int, warmup: int, raw: bool = False, **_) -> dict:
-    t = torch.ones(4)
-    for _ in range(warmup):
-        rpc.rpc_sync(PEER, echo, args=(t,))
-    lat = [0] * n
-    with Profiled() as p:
-        for i in range(n):
-            s = _ns()
-            rpc.rpc_sync(PEER, echo, args=(t,))
-            lat[i] = _ns() - s
-        p.stop()
-    lat_us = [round(x / 1e3, 1) for x in lat]
-    out = {"p50_us": pct(lat_us, 0.5), "p99_us": pct(lat_us, 0.99), "mean_us": statistics.fmean(lat_us),
-           "n": n, "profiler_rpc_events": p.events}
-    if raw:
-        out["lat_us"] = lat_us
-    return out
-
-
-def cmd_big(n: int, warmup: int, numel: int = 1 << 20, raw: bool = False, **_) -> dict:
-    t = torch.ones(numel)
+def _timed_echoes(t, n: int, warmup: int):
+    """Latencies (us) of `n` rpc_sync echoes of `t` after `warmup`, the last reply, and profiler events."""
     for _ in range(warmup):
         rpc.rpc_sync(PEER, echo, args=(t,))
     lat = [0] * n
@@ -180,8 +157,21 @@ def cmd_big(n: int, warmup: int, numel: int = 1 << 20, raw: bool = False, **_) -
             out = rpc.rpc_sync(PEER, echo, args=(t,))
             lat[i] = _ns() - s
         p.stop()
+    return [round(x / 1e3, 1) for x in lat], out, p.events
+
+
+def cmd_noop(n: int, warmup: int, raw: bool = False, **_) -> dict:
+    lat_us, _, events = _timed_echoes(torch.ones(4), n, warmup)
+    out = {"p50_us": pct(lat_us, 0.5), "p99_us": pct(lat_us, 0.99), "mean_us": statistics.fmean(lat_us),
+           "n": n, "profiler_rpc_events": events}
+    if raw:
+        out["lat_us"] = lat_us
+    return out
+
+
+def cmd_big(n: int, warmup: int, numel: int = 1 << 20, raw: bool = False, **_) -> dict:
+    lat_us, out, _ = _timed_echoes(torch.ones(numel), n, warmup)
     assert out.numel() == numel
-    lat_us = [round(x / 1e3, 1) for x in lat]
     res = {"p50_us": pct(lat_us, 0.5), "p90_us": pct(lat_us, 0.9), "n": n, "bytes_each_way": numel * 4}
     if raw:
         res["lat_us"] = lat_us

@@ -449,6 +449,19 @@ def run_memory(pairs: dict[str, Pair], sample_every: int = 10_000) -> tuple[dict
 
 
 # -- interpreter start-up ----------------------------------------------------------------------
+
+def _time_commands(variants: dict[str, list[str]], runs: int, env: dict) -> dict[str, list[float]]:
+    """Wall time (ms) of each command, interleaved run by run, after one untimed warm-up each."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for cmd in variants.values():  # warm the page cache
+        subprocess.run(cmd, env=env, check=True)
+    for _ in range(runs):
+        for name, cmd in variants.items():
+            s = time.perf_counter()
+            subprocess.run(cmd, env=env, check=True)
+            times[name].append((time.perf_counter() - s) * 1e3)
+    return times
+
 def run_startup(runs: int, torch_runs: int) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items() if not (k.startswith("RPC_OBSERVE") or k.startswith("OTEL_"))}
     env["BENCH_SITE_DIRS"] = os.pathsep.join(site_dirs())
@@ -464,27 +477,11 @@ def run_startup(runs: int, torch_runs: int) -> tuple[dict, str]:
         "site.main() skipping rpc_observe.pth": [sys.executable, "-S", "-c", skip_ours],
         "site.main() with rpc_observe.pth": [sys.executable, "-S", "-c", keep_ours],
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for cmd in variants.values():  # warm the page cache
-        subprocess.run(cmd, env=env, check=True)
-    for _ in range(runs):
-        for name, cmd in variants.items():
-            s = time.perf_counter()
-            subprocess.run(cmd, env=env, check=True)
-            times[name].append((time.perf_counter() - s) * 1e3)
-    torch_variants = {
+    times = _time_commands(variants, runs, env)
+    times.update(_time_commands({
         "a: python -S, import torch": [sys.executable, "-S", "-c", add_site + "import torch"],
         "b: python, import torch": [sys.executable, "-c", "import torch"],
-    }
-    for name in torch_variants:
-        times[name] = []
-    for cmd in torch_variants.values():
-        subprocess.run(cmd, env=env, check=True)
-    for _ in range(torch_runs):
-        for name, cmd in torch_variants.items():
-            s = time.perf_counter()
-            subprocess.run(cmd, env=env, check=True)
-            times[name].append((time.perf_counter() - s) * 1e3)
+    }, torch_runs, env))
     # In-process: the .pth line itself, as site.py executes it (exec of the line).
     pth = os.path.join(next(d for d in site_dirs() if os.path.exists(os.path.join(d, "rpc_observe.pth"))),
                        "rpc_observe.pth")
