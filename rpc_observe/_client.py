@@ -1,26 +1,33 @@
 """Client side: `rpc_sync`, `rpc_async`, `remote` and the RRef proxies built on them.
 
 `rpc_sync` and `rpc_async` both go through `api._invoke_rpc`, so that is what is
-wrapped (plus `rpc_sync`, to end sync calls inline); `rpc_async` itself stays torch's
-object, because `rref_proxy._invoke_rpc` tells async proxies apart by identity
-(`rpc_api is not rpc_async`). `remote` is
+wrapped; `rpc_async` itself stays torch's object, because `rref_proxy._invoke_rpc`
+tells async proxies apart by identity (`rpc_api is not rpc_async`). `remote` is
 wrapped in `api` and in its `torch.distributed.rpc` re-export before `init_rpc`, when
 the C++ handler looks it up for the RRef proxies.
-A call's span, profiler event and metrics end when its future completes.
+
+Where a call ends: a call of a Python function gets an id in its request trailer, the
+callee echoes it in the response's, and the call ends where the caller unpickles that
+response, on the agent thread that holds the GIL for it anyway. A done-callback would
+take the GIL once more per call, on a pool thread with a fresh thread state, while the
+caller wakes up and wants it too. Calls that get no such response (builtins,
+TorchScript, async_execution functions, `remote`, and peers without rpc_observe) end
+in a done-callback; a call whose request went out but that failed without a response
+(a timeout, a lost peer) is ended by `sweep`, from the housekeeping thread or a scrape.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
 from . import _health, _runtime, propagation
 
 local = threading.local()  # .call: the client call being serialized on this thread
-# Method of the UDF whose response is pickled next on a thread, keyed by thread id: torch's
-# pool threads get a fresh Python thread state (and empty threading.local) every time they
-# take the GIL, between running a UDF and pickling its response.
-pending_replies: dict[int, str] = {}
+# Calls that end when their response is unpickled, by call id.
+in_flight: dict[int, "Call"] = {}
+_next_id = itertools.count(1).__next__
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
 
@@ -69,9 +76,12 @@ def profiling_key(mode: str, method: str, src: str, dst: str) -> str:
 class ClientSite:
     """What every call of one function, mode and destination shares: names, attributes, metric cells."""
 
-    __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "cells", "request_cells", "trailer_head")
+    __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "cells", "started", "request_cells",
+                 "response_cells", "trailer_head", "echoed")
 
     def __init__(self, runtime, func, mode: str, dst: str):
+        import torch
+
         self.method = method_name(func)
         self.mode, self.dst = mode, dst
         self.key = profiling_key(mode, self.method, runtime.worker, dst)
@@ -82,51 +92,108 @@ class ClientSite:
             "torch.rpc.profiling_key": self.key, "torch.rpc.internal": is_internal(func),
         }
         self.trailer_head = propagation.request_head(runtime.worker, mode)
+        # Only a Python function's response goes through the pickler, and only a plain
+        # one's is pickled on the thread that ran it, where the callee can echo the id.
+        self.echoed = (mode != "remote" and not hasattr(func, "_wrapped_async_rpc_function")
+                       and torch.jit._builtins._find_builtin(func) is None
+                       and not isinstance(func, torch.jit.ScriptFunction))
         metrics = runtime.metrics
         self.cells = metrics.client_cells(self.method, mode, dst) if metrics else None
+        self.started = metrics.started_record(self.cells) if metrics else None
         self.request_cells = metrics.message_cells("serialize", "request", self.method) if metrics else None
+        self.response_cells = metrics.message_cells("deserialize", "response", self.method) if metrics else None
 
 
 class Call:
     """One client call in flight."""
 
-    __slots__ = ("runtime", "site", "start_ns", "span", "rf", "tid")
+    __slots__ = ("runtime", "site", "start_ns", "span", "rf", "tid", "id", "future")
 
     def __init__(self, runtime, site: ClientSite):
         self.runtime, self.site = runtime, site
         self.start_ns = _time_ns()
-        self.tid = _native_id()
+        self.id = 0
+        self.future = None
         tracer, profiler, metrics = runtime.tracer, runtime.profiler, runtime.metrics
         self.span = tracer.start_client(site.span_name, site.attributes, self.start_ns) if tracer else None
-        self.rf = profiler.client_start(site.key) if profiler else None
+        if profiler is not None:
+            self.rf = profiler.client_start(site.key)
+            self.tid = _native_id() if profiler.armed else 0
+        else:
+            self.rf = None
         if metrics is not None:
-            metrics.client_started(site.cells)
+            metrics.started(site.started)
 
     def request_trailer(self) -> bytes:
-        runtime, span = self.runtime, self.span
-        carrier = runtime.tracer.carrier(span) if span is not None else {}
-        return propagation.request_trailer(runtime.worker, self.site.mode, carrier, self.site.trailer_head)
+        """The request's trailer; a call whose response will be echoed gets its id here."""
+        runtime, site = self.runtime, self.site
+        if site.echoed:
+            self.id = _next_id()
+            in_flight[self.id] = self
+        context = runtime.tracer.context_text(self.span) if self.span is not None else ""
+        return propagation.request_trailer(site.trailer_head, self.id, context)
 
-    def finish(self, error: BaseException | None) -> None:
+    def finish(self, error_type: str | None = None, message: str | None = None) -> None:
         end_ns = _time_ns()
         runtime, site = self.runtime, self.site
-        error_type = classify(error) if error is not None else None
         metrics = runtime.metrics
         if metrics is not None:
-            metrics.client_finished(site.cells, (end_ns - self.start_ns) / 1e9)
+            metrics.finished(site.cells, (end_ns - self.start_ns) / 1e9)
             if error_type is not None:
                 metrics.count_error("client", site.method, site.dst, error_type)
         if self.span is not None:
-            runtime.tracer.end(self.span, end_ns, error, error_type)
+            runtime.tracer.end(self.span, end_ns, message, error_type)
         profiler = runtime.profiler
         if profiler is not None and self.rf is None and profiler.armed:
             profiler.record(site.key, "client", self.start_ns, end_ns, self.tid, self.span)
 
+    def fail(self, error: BaseException | None) -> None:
+        if error is None:
+            self.finish()
+        else:
+            self.finish(classify(error), str(error))
+
     def on_done(self, future) -> None:
         try:
-            self.finish(future_error(future))
+            self.fail(future_error(future))
         except Exception:
             _health.internal_error("client_done")
+
+
+def take(call_id: str) -> Call | None:
+    """The call in flight with this id, from a response's trailer; it is no longer in flight."""
+    if not call_id:
+        return None
+    try:
+        return in_flight.pop(int(call_id), None)
+    except ValueError:
+        _health.invalid_context()
+        return None
+
+
+def responded(call: Call, obj) -> None:
+    """Ends `call`, whose response was just unpickled as `obj`."""
+    exception_type = getattr(obj, "exception_type", None)
+    if exception_type is not None and type(obj).__name__ == "RemoteException":
+        call.finish(exception_type.__name__, obj.msg)  # torch raises it on the caller
+    else:
+        call.finish()
+
+
+def sweep() -> None:
+    """Ends the calls that completed without an echoed response: failed ones, and replies of peers
+    without rpc_observe (their call sites stop waiting for an echo)."""
+    for call_id, call in list(in_flight.items()):
+        future = call.future
+        if future is None or not future.done() or in_flight.pop(call_id, None) is None:
+            continue
+        error = future_error(future)
+        if error is None:
+            call.site.echoed = False
+        try:
+            call.fail(error)
+        except Exception:
+            _health.internal_error("client_sweep")
 
 
 def future_error(future) -> BaseException | None:
@@ -179,7 +246,7 @@ def _worker_name(to) -> str:
 
 
 def _watch(call: Call, future):
-    """Ends the call when `future` completes; returns the future the caller should wait on.
+    """Ends the call when `future` completes (unless its response ends it); returns the future the caller waits on.
 
     With a profiler event open, that is the future torch's own profiling path returns
     (`_call_end_callbacks_on_future`): same value or exception, completed only after the
@@ -187,7 +254,10 @@ def _watch(call: Call, future):
     that closes it.
     """
     try:
-        future.add_done_callback(call.on_done)
+        if call.id:
+            call.future = future
+        else:
+            future.add_done_callback(call.on_done)
         if call.rf is not None:
             return call.runtime.profiler.client_end_on(call.rf, future)
     except Exception:
@@ -195,12 +265,14 @@ def _watch(call: Call, future):
     return future
 
 
-def _end_inline(call: Call, error: BaseException | None) -> None:
-    """Ends a call on the caller's thread: it failed before a future, or rpc_sync's wait() returned."""
+def _end_inline(call: Call, error: BaseException) -> None:
+    """Ends a call that raised before it had a future."""
     try:
+        if call.id:
+            in_flight.pop(call.id, None)
         if call.rf is not None:
             call.runtime.profiler.client_end(call.rf)
-        call.finish(error)
+        call.fail(error)
     except Exception:
         _health.internal_error("client_end")
 
@@ -222,42 +294,9 @@ def wrap_invoke_rpc(original):
             _end_inline(call, e)
             raise
         local.call = outer
-        if getattr(local, "sync_waiting", False) and call.site.mode == "sync":
-            local.sync_call = call  # the rpc_sync wrapper ends it after wait(), on this thread
-            return future
         return _watch(call, future)
 
     return _invoke_rpc
-
-
-def wrap_rpc_sync(original):
-    """Wraps `api.rpc_sync`: ends the call inline once wait() returns.
-
-    A done-callback would run on the agent's pool thread, which must take the GIL (with a
-    fresh thread state) once more per call while the caller wakes up and wants it too;
-    ending the call here saves that hand-off on the commonest call of all.
-    """
-
-    def rpc_sync(*args, **kwargs):
-        if _runtime.current is None:
-            return original(*args, **kwargs)
-        outer = getattr(local, "sync_waiting", False), getattr(local, "sync_call", None)
-        local.sync_waiting, local.sync_call = True, None
-        try:
-            value = original(*args, **kwargs)
-        except BaseException as e:
-            call = local.sync_call
-            local.sync_waiting, local.sync_call = outer
-            if call is not None:
-                _end_inline(call, e)
-            raise
-        call = local.sync_call
-        local.sync_waiting, local.sync_call = outer
-        if call is not None:
-            _end_inline(call, None)
-        return value
-
-    return rpc_sync
 
 
 def wrap_remote(original):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import threading
 import time
 
-from . import _client, _health, _runtime, propagation
+from . import _client, _health, _runtime, _server, propagation
 
 _perf_counter = time.perf_counter
+_tuple_new = tuple.__new__
 _thread_id = threading.get_ident
 _UNKNOWN = "unknown"
 # torch clones a tensor before sending it when it is a small view of a big storage
@@ -28,70 +29,97 @@ def tensor_sizes(tensors) -> tuple[int, int]:
     """(logical bytes, storage bytes that travel) of a tensor table."""
     logical = traveling = 0
     for t in tensors:
-        useful = t.numel() * t.element_size()
         try:
+            useful = t.nbytes
             storage = t.untyped_storage().nbytes()
         except Exception:  # sparse and other storage-less tensors
-            storage = useful
+            useful = storage = t.numel() * t.element_size()
         logical += useful
         recopied = storage >= _MIN_RECOPY_BYTES and storage >= useful * _MIN_MULTIPLE
         traveling += useful if recopied else storage
     return logical, traveling
 
 
-def _message_cells(runtime, direction: str, message: str, method: str):
-    sites = runtime.message_sites
-    key = (direction, message, method)
-    cells = sites.get(key)
-    if cells is None:
-        cells = sites[key] = runtime.metrics.message_cells(direction, message, method)
-    return cells
-
-
 def _on_serialize(runtime, obj, data: bytes, tensors, seconds: float) -> bytes:
-    call = getattr(_client.local, "call", None)
-    request = call is not None and type(obj) is _PythonUDF
-    if request:
-        cells = call.site.request_cells
+    # Requests first: a pool thread pickling a response has a fresh thread state, whose
+    # threading.local would be created just to be found empty.
+    call = getattr(_client.local, "call", None) if type(obj) is _PythonUDF else None
+    if call is not None:  # a request
+        site = call.site
         trailer = call.request_trailer()
+        cells = site.request_cells
     else:
-        method = _client.pending_replies.pop(_thread_id(), None)
-        trailer = propagation.response_trailer(method) if method is not None else b""
-        cells = _message_cells(runtime, "serialize", "response", method or _UNKNOWN) if runtime.metrics else None
+        reply = _server.pending_replies.pop(_thread_id(), None)
+        if reply is None:
+            cells = _unknown_cells(runtime, "serialize", "response")
+            trailer = b""
+        else:
+            site, call_id = reply
+            cells = site.response_cells
+            trailer = propagation.response_trailer(call_id) if call_id else b""
+        call = None
     metrics = runtime.metrics
     if metrics is not None:
-        logical, traveling = tensor_sizes(tensors)
-        if request:
-            metrics.observe_message(cells, len(data), len(tensors), logical, traveling, seconds,
-                                    call.site.cells[3], len(data) + len(trailer) + traveling)
+        logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+        if call is not None:
+            metrics.message(cells, len(data), len(tensors), logical, traveling, seconds,
+                            site.cells[3], len(data) + len(trailer) + traveling)
         else:
-            metrics.observe_message(cells, len(data), len(tensors), logical, traveling, seconds)
+            metrics.message(cells, len(data), len(tensors), logical, traveling, seconds)
     return data + trailer if trailer else data
 
 
 def _on_deserialize(runtime, obj, data: bytes, tensors, seconds: float):
     size, fields = propagation.split(data)
     metrics = runtime.metrics
-    if type(obj) is _PythonUDF or isinstance(obj, AttributeError):
-        message = "request"
-        if metrics is None:
-            method = _UNKNOWN  # only the metric label needs it
-        else:
-            method = _UNKNOWN if isinstance(obj, AttributeError) else _client.method_name(obj.func)
-        if fields is not None and fields[0] == "q":
-            if isinstance(obj, AttributeError):
-                obj.rpc_observe_fields = fields
-            else:
-                obj = _IncomingUDF(*obj)
-                obj.rpc_observe_fields = fields
-    else:
-        message = "response"
-        method = fields[1] if fields is not None and fields[0] == "r" else _UNKNOWN
+    if fields is not None and fields[0] == "r":  # a response to a call of ours
+        call = _client.take(fields[1])
+        try:
+            if metrics is not None:
+                cells = call.site.response_cells if call is not None else _unknown_cells(runtime, "deserialize", "response")
+                logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+                metrics.message(cells, size, len(tensors), logical, traveling, seconds)
+        finally:
+            if call is not None:
+                _client.responded(call, obj)
+        return obj
+    request = type(obj) is _PythonUDF
+    if fields is not None and fields[0] == "q" and (request or isinstance(obj, AttributeError)):
+        if request:
+            obj = _tuple_new(_IncomingUDF, obj)
+        obj.rpc_observe_fields = fields  # for the wrapped _run_function
     if metrics is not None:
-        logical, traveling = tensor_sizes(tensors)
-        cells = _message_cells(runtime, "deserialize", message, method)
-        metrics.observe_message(cells, size, len(tensors), logical, traveling, seconds)
+        if request:
+            cells = runtime.request_cells.get(obj.func)
+            if cells is None:
+                cells = _request_cells(runtime, obj.func)
+        else:
+            cells = _unknown_cells(runtime, "deserialize", "request" if isinstance(obj, AttributeError) else "response")
+        logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+        metrics.message(cells, size, len(tensors), logical, traveling, seconds)
     return obj
+
+
+def _request_cells(runtime, func) -> tuple:
+    cells = runtime.metrics.message_cells("deserialize", "request", _client.method_name(func))
+    try:
+        if len(runtime.request_cells) > 10_000:
+            runtime.request_cells.clear()
+        runtime.request_cells[func] = cells
+    except TypeError:  # an unhashable callable
+        pass
+    return cells
+
+
+def _unknown_cells(runtime, direction: str, message: str) -> tuple | None:
+    """Cells of messages that cannot be told apart: a response without an echo, an unpicklable request."""
+    if runtime.metrics is None:
+        return None
+    key = (direction, message)
+    cells = runtime.request_cells.get(key)
+    if cells is None:
+        cells = runtime.request_cells[key] = runtime.metrics.message_cells(direction, message, _UNKNOWN)
+    return cells
 
 
 _PythonUDF = _IncomingUDF = None  # set when torch.distributed.rpc is patched

@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 from . import _health, exposition
 from .config import RPC_OBSERVE_DIR, Config
 
@@ -36,7 +37,7 @@ class Runtime:
         self.profile_session = None
         self.client_sites: dict = {}
         self.server_sites: dict = {}
-        self.message_sites: dict = {}
+        self.request_cells: dict = {}  # metric cells of incoming requests by function, and of unknown messages
         out_dir = self._make_out_dir()
         if config.metrics:
             self._start_metrics(rank, out_dir)
@@ -52,6 +53,28 @@ class Runtime:
 
             path = os.path.join(out_dir, "profiler", f"{worker}.json")
             self.profile_session = ProfileSession(path, worker, rank, world_size, config.profile_max_seconds)
+        self._stopped = threading.Event()
+        threading.Thread(target=self._housekeeping_loop, name="rpc_observe-housekeeping", daemon=True).start()
+
+    def housekeeping(self) -> None:
+        """Ends the calls that failed without a response, and folds queued metric records."""
+        from . import _client
+
+        _client.sweep()
+        if self.metrics is not None:
+            self.metrics.drain()
+
+    def _housekeeping_loop(self) -> None:
+        # Every 0.1 s, in slices: the GIL is free for the RPC threads between them.
+        from . import _client
+
+        while not self._stopped.wait(0.1):
+            try:
+                _client.sweep()
+                while self.metrics is not None and self.metrics.drain(256):
+                    time.sleep(0)
+            except Exception:
+                _health.internal_error("housekeeping")
 
     def _make_out_dir(self) -> str | None:
         out_dir = self.config.out_dir
@@ -73,7 +96,7 @@ class Runtime:
 
         from .metrics import Metrics
 
-        self.metrics = Metrics(self.worker, self.config.max_methods, _agent_debug_info)
+        self.metrics = Metrics(self.worker, self.config.max_methods, _agent_debug_info, _sweep)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)
         try:
@@ -103,7 +126,8 @@ class Runtime:
         self.tracer = tracing.Tracer(self.config, sinks)
 
     def flush(self) -> None:
-        """Exports queued spans (bounded by OTEL_BSP_EXPORT_TIMEOUT)."""
+        """Ends what completed, and exports queued spans (bounded by OTEL_BSP_EXPORT_TIMEOUT)."""
+        self.housekeeping()
         if self.tracer is not None:
             self.tracer.flush()
 
@@ -112,6 +136,7 @@ class Runtime:
             self.profile_session.finish()
 
     def close(self) -> None:
+        self._stopped.set()
         self.finish_profile()
         if self.tracer is not None:
             self.tracer.shutdown()
@@ -123,6 +148,12 @@ class Runtime:
                 os.remove(self.target_path)
             except OSError:
                 pass
+
+
+def _sweep() -> None:
+    from . import _client
+
+    _client.sweep()
 
 
 def _agent_debug_info() -> dict:

@@ -12,16 +12,21 @@ from __future__ import annotations
 import threading
 import time
 
-from . import _client, _health, _runtime, propagation
+from . import _client, _health, _runtime
 
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
 _thread_id = threading.get_ident
 UNKNOWN = "unknown"
+# The site and caller's call id of the UDF whose response is pickled next on a thread, by
+# thread id: torch's pool threads get a fresh Python thread state (and empty
+# threading.local) every time they take the GIL, between running a UDF and pickling its response.
+pending_replies: dict[int, tuple] = {}
 
 
 class ServerSite:
-    __slots__ = ("key", "span_name", "method", "src", "attributes", "duration", "is_async", "replies")
+    __slots__ = ("key", "span_name", "method", "src", "attributes", "duration", "response_cells", "is_async",
+                 "replies")
 
     def __init__(self, runtime, func, src: str, mode: str):
         self.method = _client.method_name(func) if func is not None else UNKNOWN
@@ -35,17 +40,19 @@ class ServerSite:
             "torch.rpc.src": src, "torch.rpc.dst": runtime.worker, "torch.rpc.exec_mode": mode,
             "torch.rpc.profiling_key": self.key, "torch.rpc.internal": _client.is_internal(func),
         }
-        self.duration = runtime.metrics.server_cell(self.method, src) if runtime.metrics else None
+        metrics = runtime.metrics
+        self.duration = metrics.server_cell(self.method, src) if metrics else None
+        self.response_cells = metrics.message_cells("serialize", "response", self.method) if metrics else None
 
 
 class Serving:
     """One UDF being run."""
 
-    __slots__ = ("runtime", "site", "start_ns", "span", "token", "tid")
+    __slots__ = ("runtime", "site", "start_ns", "span", "token", "tid", "call_id")
 
     def __init__(self, runtime, python_udf):
         fields = getattr(python_udf, "rpc_observe_fields", None)
-        src, mode = (fields[1], fields[2]) if fields else (UNKNOWN, UNKNOWN)
+        src, mode, self.call_id = (fields[1], fields[2], fields[3]) if fields else (UNKNOWN, UNKNOWN, "")
         func = None if isinstance(python_udf, BaseException) else python_udf.func
         sites = runtime.server_sites
         site = sites.get((func, src, mode))
@@ -55,12 +62,12 @@ class Serving:
             site = sites[(func, src, mode)] = ServerSite(runtime, func, src, mode)
         self.runtime, self.site = runtime, site
         self.start_ns = _time_ns()
-        self.tid = _native_id()
+        profiler = runtime.profiler
+        self.tid = _native_id() if profiler is not None and profiler.armed else 0
         tracer = runtime.tracer
         self.span = self.token = None
         if tracer is not None:
-            carrier = propagation.carrier_of(fields) if fields else None
-            self.span = tracer.start_server(site.span_name, site.attributes, carrier, self.start_ns)
+            self.span = tracer.start_server(site.span_name, site.attributes, fields, self.start_ns)
             self.token = tracer.attach(self.span)
 
     def leave(self) -> None:
@@ -72,7 +79,7 @@ class Serving:
         runtime, site = self.runtime, self.site
         metrics = runtime.metrics
         if metrics is not None:
-            metrics.observe_latency(site.duration, (end_ns - self.start_ns) / 1e9)
+            metrics.served(site.duration, (end_ns - self.start_ns) / 1e9)
             if error_type is not None:
                 metrics.count_error("server", site.method, site.src, error_type)
         if self.span is not None:
@@ -99,7 +106,7 @@ class Serving:
         else:
             self.finish(None, None)
         if self.site.replies:
-            _client.pending_replies[_thread_id()] = self.site.method
+            pending_replies[_thread_id()] = (self.site, self.call_id)
 
 
 def wrap_run_function(original):

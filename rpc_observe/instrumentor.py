@@ -28,8 +28,6 @@ def _patch_rpc(rpc: Any = None) -> None:
 
     rpc = rpc if rpc is not None else sys.modules[RPC_MODULE]
     _patching.patch(api, "_invoke_rpc", _client.wrap_invoke_rpc)
-    _patching.patch(api, "rpc_sync", _client.wrap_rpc_sync)
-    _patching.share(rpc, "rpc_sync", api, "rpc_sync")
     _patching.patch(api, "remote", _client.wrap_remote)
     _patching.share(rpc, "remote", api, "remote")
     _patching.patch(internal, "_run_function", _server.wrap_run_function)

@@ -1,15 +1,18 @@
 """Prometheus metrics of RPC traffic, kept cheap enough for every call.
 
-prometheus_client's `Histogram.observe` costs 1-5 us and an RPC makes a dozen
-observations, so the hot path here only bumps plain lists under one lock (exact
-counts across threads, ~0.5 us a message) and a custom collector turns them into
-metric families at scrape time. Label sets are bound once per call site; function
-and peer names are capped (`RPC_OBSERVE_MAX_METHODS`), the rest become `other`.
+An RPC's hot path runs on the agent's pool threads with cold caches, where every Python
+step costs several times its warm cost. So the hot path only appends one tuple per
+message or call to a deque (a single C call, safe across threads), and `drain` folds
+them into plain lists under one lock: the housekeeping thread does it a few times a
+second, and every scrape does it first, so a scrape is always exact. A custom
+collector turns the lists into metric families. Label sets are bound once per call
+site; function and peer names are capped (`RPC_OBSERVE_MAX_METHODS`), the rest become `other`.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 from typing import Callable, Iterator
 
@@ -46,14 +49,46 @@ class _Family:
 
 def _observe(cell: list, buckets: tuple[float, ...], value: float) -> None:
     cell[bisect.bisect_left(buckets, value)] += 1
-    cell[-1] += value
+    cell[-1] += value if value > 0 else 0.0
+
+
+# Record handlers, applied by `Metrics.drain` under its lock; each record is (handler, ...).
+def _message(r: tuple) -> None:
+    _, cells, nbytes, ntensors, tensor_bytes, storage_bytes, seconds, sent_cell, sent = r
+    if sent_cell is not None:
+        sent_cell[0] += sent
+    _observe(cells[0], SIZE_BUCKETS, nbytes)
+    _observe(cells[1], COUNT_BUCKETS, ntensors)
+    _observe(cells[2], SIZE_BUCKETS, tensor_bytes)
+    _observe(cells[3], SIZE_BUCKETS, storage_bytes)
+    _observe(cells[4], SERIALIZATION_BUCKETS, seconds)
+
+
+def _started(r: tuple) -> None:
+    cells = r[1]
+    cells[1][0] += 1  # requests
+    cells[2][0] += 1  # in flight
+
+
+def _finished(r: tuple) -> None:
+    cells = r[1]
+    _observe(cells[0], LATENCY_BUCKETS, r[2])
+    cells[2][0] -= 1
+
+
+def _served(r: tuple) -> None:
+    _observe(r[1], LATENCY_BUCKETS, r[2])
 
 
 class Metrics(Collector):
     """The process's RPC metrics, all labelled with its own worker name."""
 
-    def __init__(self, worker: str, max_names: int, agent_info: Callable[[], dict] | None = None):
+    def __init__(self, worker: str, max_names: int, agent_info: Callable[[], dict] | None = None,
+                 before_collect: Callable[[], None] | None = None):
         self.worker = worker
+        self._records: collections.deque = collections.deque()
+        self._append = self._records.append
+        self._before_collect = before_collect
         self._max_names = max_names
         self._names: dict[str, set] = {"method": set(), "peer": set(), "exception": set()}
         self._agent_info = agent_info
@@ -95,17 +130,35 @@ class Metrics(Collector):
                     self.tensor_bytes.child(values), self.storage_bytes.child(values),
                     self.serialization_seconds.child(values))
 
-    def observe_message(self, cells: tuple[list, ...], nbytes: int, ntensors: int, tensor_bytes: int,
-                        storage_bytes: int, seconds: float, sent_cell: list | None = None, sent: int = 0) -> None:
-        """One message's five histograms (and the bytes sent to its peer), under one lock."""
+    # -- hot path: one deque append each -------------------------------------------
+    def message(self, cells: tuple[list, ...], nbytes: int, ntensors: int, tensor_bytes: int,
+                storage_bytes: int, seconds: float, sent_cell: list | None = None, sent: int = 0) -> None:
+        """One message's five histograms (and, for a request, the bytes sent to its peer)."""
+        self._append((_message, cells, nbytes, ntensors, tensor_bytes, storage_bytes, seconds, sent_cell, sent))
+
+    def started(self, record: tuple) -> None:
+        """A client call started; `record` is its site's `started_record`, built once."""
+        self._append(record)
+
+    @staticmethod
+    def started_record(cells: tuple[list, ...]) -> tuple:
+        return (_started, cells)
+
+    def finished(self, cells: tuple[list, ...], seconds: float) -> None:
+        self._append((_finished, cells, seconds))
+
+    def served(self, cell: list, seconds: float) -> None:
+        self._append((_served, cell, seconds))
+
+    def drain(self, limit: int | None = None) -> bool:
+        """Folds up to `limit` queued records (all if None) into the metric cells; True if some are left."""
+        records, pop = self._records, self._records.popleft
+        n = len(records) if limit is None else min(limit, len(records))
         with self.lock:
-            if sent_cell is not None:
-                sent_cell[0] += sent
-            _observe(cells[0], SIZE_BUCKETS, nbytes)
-            _observe(cells[1], COUNT_BUCKETS, ntensors)
-            _observe(cells[2], SIZE_BUCKETS, tensor_bytes)
-            _observe(cells[3], SIZE_BUCKETS, storage_bytes)
-            _observe(cells[4], SERIALIZATION_BUCKETS, seconds if seconds > 0 else 0.0)
+            for _ in range(n):
+                record = pop()
+                record[0](record)
+        return bool(records)
 
     def client_cells(self, method: str, mode: str, dst: str) -> tuple[list, list, list, list]:
         method, dst = self.cap("method", method), self.cap("peer", dst)
@@ -114,20 +167,6 @@ class Metrics(Collector):
                     self.client_requests.child((self.worker, method, mode, dst)),
                     self.client_in_flight.child((self.worker, dst)),
                     self.client_sent_bytes.child((self.worker, dst)))
-
-    def client_started(self, cells: tuple[list, ...]) -> None:
-        with self.lock:
-            cells[1][0] += 1  # requests
-            cells[2][0] += 1  # in flight
-
-    def client_finished(self, cells: tuple[list, ...], seconds: float) -> None:
-        with self.lock:
-            _observe(cells[0], LATENCY_BUCKETS, seconds if seconds > 0 else 0.0)
-            cells[2][0] -= 1
-
-    def observe_latency(self, cell: list, seconds: float) -> None:
-        with self.lock:
-            _observe(cell, LATENCY_BUCKETS, seconds if seconds > 0 else 0.0)
 
     def server_cell(self, method: str, src: str) -> list:
         values = (self.worker, self.cap("method", method), self.cap("peer", src))
@@ -142,6 +181,12 @@ class Metrics(Collector):
 
     # -- scrape -------------------------------------------------------------------
     def collect(self) -> Iterator:
+        if self._before_collect is not None:
+            try:
+                self._before_collect()
+            except Exception:
+                _health.internal_error("before_collect")
+        self.drain()
         with self.lock:
             snapshot = [(f, [(k, list(v)) for k, v in f.children.items()])
                         for f in self._histograms + self._counters + (self.client_in_flight,)]

@@ -7,8 +7,9 @@ context is appended after the pickle as a trailer:
 
 A peer without rpc_observe (or with it switched off) unpickles the message exactly as
 before; a peer with it finds the magic at the very end. Requests carry the caller's
-worker name, the exec mode and the trace context (the propagator's carrier); responses
-carry the method, so that the caller can label the response's metrics.
+worker name, the exec mode, the caller's call id and the trace context (the propagator's
+carrier); a response echoes the call id, so that the caller ends the call right where
+it unpickles the response, on the thread that already holds the GIL.
 """
 
 from __future__ import annotations
@@ -27,20 +28,26 @@ _HEX = frozenset("0123456789abcdef")
 
 def request_head(src: str, mode: str) -> str:
     """The fixed part of a call site's request trailers."""
-    return _SEP.join((_REQUEST, src, mode))
+    return _SEP.join((_REQUEST, src, mode, ""))
 
 
-def request_trailer(src: str, mode: str, carrier: Mapping[str, str], head: str | None = None) -> bytes:
-    """The trailer of a request: who calls, how, and the trace context."""
-    text = head if head is not None else request_head(src, mode)
-    if carrier:
-        text += _SEP + _SEP.join(f"{k}={v}" for k, v in carrier.items())
+def carrier_text(carrier: Mapping[str, str]) -> str:
+    """A propagator carrier as trailer fields."""
+    return _SEP.join(f"{k}={v}" for k, v in carrier.items())
+
+
+def request_trailer(head: str, call_id: int = 0, context: str = "") -> bytes:
+    """The trailer of a request: `head` (who calls, how), the call id (0: no echo wanted), the context."""
+    text = head + str(call_id) if call_id else head
+    if context:
+        text += _SEP + context
     payload = text.encode("utf-8", "replace")[:_MAX_PAYLOAD]
     return payload + len(payload).to_bytes(2, "little") + MAGIC
 
 
-def response_trailer(method: str) -> bytes:
-    payload = (_RESPONSE + _SEP + method).encode("utf-8", "replace")[:_MAX_PAYLOAD]
+def response_trailer(call_id: str) -> bytes:
+    """The trailer of a response: the caller's call id, echoed."""
+    payload = (_RESPONSE + _SEP + call_id).encode("utf-8", "replace")[:_MAX_PAYLOAD]
     return payload + len(payload).to_bytes(2, "little") + MAGIC
 
 
@@ -56,8 +63,12 @@ def split(data: bytes) -> tuple[int, list[str] | None]:
         if size > _MAX_PAYLOAD or size + 10 > len(data):
             raise ValueError("trailer length out of range")
         fields = bytes(data[-10 - size : -10]).decode("utf-8").split(_SEP)
-        if (fields[0], len(fields) >= 3) != (_REQUEST, True) and (fields[0], len(fields)) != (_RESPONSE, 2):
-            raise ValueError("not a request (kind, src, mode, ...) or response (kind, method) trailer")
+        kind = fields[0]
+        if not ((kind == _REQUEST and len(fields) >= 4) or (kind == _RESPONSE and len(fields) == 2)):
+            raise ValueError("not a request (kind, src, mode, call id, ...) or response (kind, call id) trailer")
+        call_id = fields[3] if kind == _REQUEST else fields[1]
+        if call_id and not (len(call_id) <= 20 and call_id.isdigit()):
+            raise ValueError("the call id is not a number")
         return len(data) - size - 10, fields
     except Exception:
         _health.invalid_context()
@@ -65,9 +76,9 @@ def split(data: bytes) -> tuple[int, list[str] | None]:
 
 
 def carrier_of(fields: list[str]) -> dict[str, str]:
-    """The propagator carrier of a request trailer's fields (from the fourth on)."""
+    """The propagator carrier of a request trailer's fields (from the fifth on)."""
     carrier = {}
-    for item in fields[3:16]:
+    for item in fields[4:17]:
         key, sep, value = item.partition("=")
         if sep:
             carrier[key] = value

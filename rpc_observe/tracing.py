@@ -15,8 +15,10 @@ import random
 import threading
 from typing import Any
 
-from opentelemetry import baggage, context, propagate, trace
+from opentelemetry import context, propagate, trace
+from opentelemetry.baggage import _BAGGAGE_KEY
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace.propagation import _SPAN_KEY
 
 from . import _health, propagation
 from .config import Config
@@ -26,7 +28,8 @@ _logger = logging.getLogger("rpc_observe")
 SERVER = 2  # OTLP SpanKind values
 CLIENT = 3
 _getrandbits = random.getrandbits
-_get_current_span = trace.get_current_span
+_get_current = context.get_current
+_get_ident = threading.get_ident
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 
@@ -35,7 +38,7 @@ class SpanRecord:
     """One finished or running span, kept as plain data until export."""
 
     __slots__ = ("name", "kind", "trace_id", "span_id", "parent_id", "remote_parent",
-                 "start_ns", "end_ns", "attributes", "error_type", "error_message", "sampled")
+                 "start_ns", "end_ns", "attributes", "error_type", "error_message", "sampled", "baggage")
 
     def __init__(self, name, kind, trace_id, span_id, parent_id, remote_parent, sampled, attributes, start_ns):
         self.name = name
@@ -50,6 +53,7 @@ class SpanRecord:
         self.end_ns = 0
         self.error_type = None
         self.error_message = None
+        self.baggage = False  # the caller's context holds baggage to propagate
 
 
 class Tracer:
@@ -59,6 +63,7 @@ class Tracer:
         self._config = config
         self._sinks = sinks
         self._queue: collections.deque = collections.deque()
+        self.serving: dict[int, SpanRecord] = {}  # thread id -> the SERVER span of the UDF it runs
         self._max_queue = config.bsp_max_queue_size
         self._wake = threading.Event()
         self._stopping = False
@@ -79,39 +84,47 @@ class Tracer:
         return (trace_id & 0xFFFFFFFFFFFFFFFF) < self._root_bound
 
     def start_client(self, name: str, attributes: dict, start_ns: int) -> SpanRecord:
-        """A CLIENT span, child of the caller's current OpenTelemetry span if any."""
-        parent = _get_current_span().get_span_context()
-        if parent.is_valid:
-            trace_id, parent_id = parent.trace_id, parent.span_id
-            sampled = self._should_sample(trace_id, parent.trace_flags.sampled)
+        """A CLIENT span, child of the UDF this thread serves, or of the current OpenTelemetry span."""
+        ctx = _get_current()
+        serving = self.serving.get(_get_ident()) if self.serving else None
+        if serving is not None:
+            trace_id, parent_id, sampled, remote = serving.trace_id, serving.span_id, serving.sampled, False
         else:
-            trace_id, parent_id = _getrandbits(128), 0
-            sampled = self._should_sample(trace_id, None)
-        return SpanRecord(name, CLIENT, trace_id, _getrandbits(64), parent_id,
-                          parent.is_remote if parent_id else False, sampled, attributes, start_ns)
+            current = ctx.get(_SPAN_KEY)
+            parent = current.get_span_context() if current is not None else None
+            if parent is not None and parent.is_valid:
+                trace_id, parent_id, remote = parent.trace_id, parent.span_id, parent.is_remote
+                sampled = self._should_sample(trace_id, parent.trace_flags.sampled)
+            else:
+                trace_id, parent_id, remote = _getrandbits(128), 0, False
+                sampled = self._should_sample(trace_id, None)
+        span = SpanRecord(name, CLIENT, trace_id, _getrandbits(64), parent_id, remote, sampled, attributes, start_ns)
+        span.baggage = _BAGGAGE_KEY in ctx
+        return span
 
-    def carrier(self, span: SpanRecord) -> dict[str, str]:
-        """The propagator carrier that makes `span` the parent of the callee's span."""
+    def context_text(self, span: SpanRecord) -> str:
+        """The propagator carrier, as trailer fields, that makes `span` the parent of the callee's span."""
         if not self._propagates:
-            return {}
-        if self._fast_propagation and not baggage.get_all():
-            return {"traceparent": propagation.format_traceparent(span.trace_id, span.span_id, span.sampled)}
+            return ""
+        if self._fast_propagation and not span.baggage:
+            return "traceparent=" + propagation.format_traceparent(span.trace_id, span.span_id, span.sampled)
         ctx = trace.set_span_in_context(NonRecordingSpan(_span_context(span)))
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=ctx)
-        return carrier
+        return propagation.carrier_text(carrier)
 
-    def start_server(self, name: str, attributes: dict, carrier: dict[str, str] | None, start_ns: int) -> SpanRecord:
-        """A SERVER span, child of the remote CLIENT span named in `carrier`.
+    def start_server(self, name: str, attributes: dict, fields: list[str] | None, start_ns: int) -> SpanRecord:
+        """A SERVER span, child of the remote CLIENT span named in the request trailer's `fields`.
 
         A missing or malformed context starts a new trace.
         """
         parent = None
-        if carrier:
-            if self._fast_propagation and len(carrier) == 1 and "traceparent" in carrier:
-                parent = propagation.parse_traceparent(carrier["traceparent"])
+        if fields is not None and len(fields) > 4:
+            context = fields[4]
+            if self._fast_propagation and len(fields) == 5 and context[:12] == "traceparent=":
+                parent = propagation.parse_traceparent(context[12:])
             elif self._propagates:
-                sc = trace.get_current_span(propagate.extract(carrier)).get_span_context()
+                sc = trace.get_current_span(propagate.extract(propagation.carrier_of(fields))).get_span_context()
                 parent = (sc.trace_id, sc.span_id, sc.trace_flags.sampled) if sc.is_valid else None
             if parent is None:
                 _health.invalid_context()
@@ -124,10 +137,23 @@ class Tracer:
         return SpanRecord(name, SERVER, trace_id, _getrandbits(64), parent_id, True, sampled, attributes, start_ns)
 
     def attach(self, span: SpanRecord) -> object:
-        """Makes `span` the current OpenTelemetry span, so nested RPCs and user spans are its children."""
-        return context.attach(trace.set_span_in_context(NonRecordingSpan(_span_context(span))))
+        """Makes `span` the parent of what the UDF starts on this thread; returns a token for `detach`.
 
-    detach = staticmethod(context.detach)
+        With a TracerProvider set, the UDF can start spans of its own, so `span` becomes the
+        current OpenTelemetry span; without one, only this add-on's client spans can be its
+        children, and a per-thread entry (two dict operations) is all they need.
+        """
+        if trace._TRACER_PROVIDER is not None:
+            return context.attach(trace.set_span_in_context(NonRecordingSpan(_span_context(span))))
+        ident = _get_ident()
+        self.serving[ident] = span
+        return ident
+
+    def detach(self, token: object) -> None:
+        if type(token) is int:
+            self.serving.pop(token, None)
+        else:
+            context.detach(token)
 
     def end(self, span: SpanRecord, end_ns: int, error: BaseException | str | None = None,
             error_type: str | None = None) -> None:

@@ -227,11 +227,12 @@ def hostile(world):
 
     trailers = {
         "length_beyond_message": framed(b"q", 60000),
-        "not_utf8": framed(b"q\x1f\xff\xfe\x1fsync\x1ftraceparent=\xff"),
-        "unknown_kind": framed(b"z\x1fworker0\x1fsync"),
-        "bad_traceparent": framed("q\x1fworker0\x1fsync\x1ftraceparent=00-zz-yy-01".encode()),
-        "zero_trace_id": framed(("q\x1fworker0\x1fsync\x1ftraceparent=00-" + "0" * 32 + "-" + "1" * 16 + "-01").encode()),
-        "oversized": framed(b"q\x1fworker0\x1fsync\x1f" + b"\x1f".join(b"k%d=%s" % (i, b"v" * 40) for i in range(40))),
+        "not_utf8": framed(b"q\x1f\xff\xfe\x1fsync\x1f\x1ftraceparent=\xff"),
+        "unknown_kind": framed(b"z\x1fworker0\x1fsync\x1f"),
+        "bad_call_id": framed(b"q\x1fworker0\x1fsync\x1f12; rm -rf"),
+        "bad_traceparent": framed("q\x1fworker0\x1fsync\x1f\x1ftraceparent=00-zz-yy-01".encode()),
+        "zero_trace_id": framed(("q\x1fworker0\x1fsync\x1f7\x1ftraceparent=00-" + "0" * 32 + "-" + "1" * 16 + "-01").encode()),
+        "oversized": framed(b"q\x1fworker0\x1fsync\x1f\x1f" + b"\x1f".join(b"k%d=%s" % (i, b"v" * 40) for i in range(40))),
         "wrong_types": framed(b"q"),
         "magic_only": magic,
     }
@@ -351,9 +352,9 @@ def _break_telemetry():
     def broken(*args, **kwargs):
         raise RuntimeError("injected telemetry failure")
 
-    metrics.Metrics.observe_message = broken
-    metrics.Metrics.client_finished = broken
-    metrics.Metrics.observe_latency = broken
+    metrics.Metrics.message = broken
+    metrics.Metrics.finished = broken
+    metrics.Metrics.served = broken
     runtime = _runtime.current
     if runtime is not None and runtime.tracer is not None:
         for sink in runtime.tracer._sinks:

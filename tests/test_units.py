@@ -15,13 +15,17 @@ from cluster import samples, total
 
 
 def test_trailer_round_trip_and_plain_pickles():
-    trailer = propagation.request_trailer("worker0", "sync", {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
+    carrier = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+    head = propagation.request_head("worker0", "sync")
+    trailer = propagation.request_trailer(head, 42, propagation.carrier_text(carrier))
     size, fields = propagation.split(b"PICKLE." + trailer)
-    assert size == 7 and fields[:3] == ["q", "worker0", "sync"]
-    assert propagation.carrier_of(fields) == {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+    assert size == 7 and fields[:4] == ["q", "worker0", "sync", "42"]
+    assert propagation.carrier_of(fields) == carrier
+    size, fields = propagation.split(b"PICKLE." + propagation.request_trailer(head))
+    assert fields == ["q", "worker0", "sync", ""] and propagation.carrier_of(fields) == {}
     assert propagation.split(b"PICKLE.") == (7, None)
-    size, fields = propagation.split(b"PICKLE." + propagation.response_trailer("add"))
-    assert (size, fields) == (7, ["r", "add"])
+    size, fields = propagation.split(b"PICKLE." + propagation.response_trailer("42"))
+    assert (size, fields) == (7, ["r", "42"])
 
 
 @pytest.mark.parametrize("value", ["00-" + "a" * 32 + "-" + "b" * 16, "00-" + "0" * 32 + "-" + "b" * 16 + "-01",
@@ -52,10 +56,9 @@ def test_config_defaults_and_bad_values(caplog):
 def test_metric_families_are_cumulative_and_labelled():
     metrics = Metrics("w0", max_names=2)
     cells = metrics.client_cells("f", "sync", "w1")
-    metrics.client_started(cells)
-    metrics.client_finished(cells, 0.0007)
-    metrics.client_started(cells)
-    metrics.client_finished(cells, 3.0)
+    for seconds in (0.0007, 3.0):
+        metrics.started(metrics.started_record(cells))
+        metrics.finished(cells, seconds)
     for name in ("g", "h"):
         metrics.client_cells(name, "sync", "w1")
     registry = CollectorRegistry()
