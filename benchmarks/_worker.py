@@ -108,7 +108,7 @@ def check_config() -> None:
     elif CONFIG == "b":
         assert not patched, "config b: torch RPC is patched although RPC_OBSERVE is unset"
         assert "rpc_observe" not in sys.modules, "config b: rpc_observe was imported"
-    elif "client" not in os.environ.get("BENCH_UNPATCH", ""):
+    else:
         assert patched, f"config {CONFIG}: torch RPC is not patched"
 
 
@@ -322,89 +322,71 @@ def cmd_loop(seconds: float, **_) -> dict:
     return {"calls": n}
 
 
-def cmd_hotpath(n: int = 3000, **_) -> dict:
-    """Diagnostics: in-process cost (us, best of 5) of each rpc_observe hot-path step of one no-op RPC.
+_SELF_NS: dict[str, list[int]] = {}  # "<wrapper>@<main|pool>" -> per-call self time, ns
 
-    Runs in an instrumented worker (c/d/e) after init_rpc; nothing is sent.
-    """
-    from torch.distributed.rpc import internal
 
-    from rpc_observe import _client, _pickler, _runtime, _server, propagation
+def install_self_timer() -> None:
+    """Diagnostics (BENCH_SELF_TIME=1, before init_rpc): times each rpc_observe wrapper's own
+    work per call, in situ: the wrapper's total time minus the time inside torch's original
+    it calls (found in the wrapper's closure and replaced by a timed version)."""
+    import threading
 
-    rt = _runtime.current
-    t = torch.ones(4)
-    pickler = internal._internal_rpc_pickler
-    cls = internal._InternalRPCPickler
-    orig_ser = cls.serialize.__rpc_observe_original__
-    orig_de = cls.deserialize.__rpc_observe_original__
-    udf = internal.PythonUDF(echo, (t,), {})
-    data, table = orig_ser(pickler, udf)
-    call = _client._begin(rt, PEER, echo, "sync")
-    trailer = call.request_trailer()
-    fields = propagation.split(data + trailer)[1]
-    incoming = _pickler._IncomingUDF(*udf)
-    incoming.rpc_observe_fields = fields
-    done = torch.futures.Future()
-    done.set_result(t)
+    from torch.distributed.rpc import api, internal
 
-    def best(fn):
-        runs = []
-        for _ in range(5):
-            s = _ns()
-            for _ in range(n):
-                fn()
-            runs.append((_ns() - s) / n / 1e3)
-        return min(runs)
+    main = threading.main_thread().ident
+    inner: dict[tuple[int, str], int] = {}
+    for owner, name in ((api, "_invoke_rpc"), (internal._InternalRPCPickler, "serialize"),
+                        (internal._InternalRPCPickler, "deserialize"), (internal, "_run_function")):
+        wrapper = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        original = wrapper.__rpc_observe_original__
+        cell = next(c for c in wrapper.__closure__ if c.cell_contents is original)
 
-    def client_begin_finish():
-        c = _client._begin(rt, PEER, echo, "sync")
-        c.finish(None)
+        def timed_original(*args, _original=original, _name=name, **kwargs):
+            start = _ns()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                key = (threading.get_ident(), _name)
+                inner[key] = inner.get(key, 0) + _ns() - start
 
-    def wrapped_request_ser():
-        _client.local.call = call
-        try:
-            cls.serialize(pickler, udf)
-        finally:
-            _client.local.call = None
+        cell.cell_contents = timed_original
 
-    def server_run():
-        sv = _server.Serving(rt, incoming)
-        sv.leave()
-        sv.returned(t)
-        _client.local.reply_method = None
+        def timed_wrapper(*args, _wrapper=wrapper, _name=name, **kwargs):
+            ident = threading.get_ident()
+            before = inner.get((ident, _name), 0)
+            start = _ns()
+            try:
+                return _wrapper(*args, **kwargs)
+            finally:
+                total = _ns() - start
+                key = f"{_name}@{'main' if ident == main else 'pool'}"
+                _SELF_NS.setdefault(key, []).append(total - (inner.get((ident, _name), 0) - before))
 
-    steps = {
-        "caller: _client._begin + Call.finish (site lookup, span record, metrics)": client_begin_finish,
-        "caller: Call.request_trailer (traceparent + trailer bytes)": call.request_trailer,
-        "caller: request serialize, torch only": lambda: orig_ser(pickler, udf),
-        "caller: request serialize, wrapped (trailer, tensor_sizes, 2 metric updates)": wrapped_request_ser,
-        "caller: Future.add_done_callback on a completed future (on_done inline)": lambda: done.add_done_callback(
-            call.on_done),
-        "callee: request deserialize, torch only": lambda: orig_de(pickler, data + trailer, table),
-        "callee: request deserialize, wrapped (split, method_name, _IncomingUDF, metrics)": lambda: cls.deserialize(
-            pickler, data + trailer, table),
-        "callee: _client.method_name(func) (torch.jit builtin lookup)": lambda: _client.method_name(echo),
-        "callee: Serving init+leave+returned (server span, context attach/detach, metrics)": server_run,
-        "both: tensor_sizes([4-elem tensor])": lambda: _pickler.tensor_sizes(table),
-        "both: propagation.split": lambda: propagation.split(data + trailer),
-    }
-    if rt.tracer is not None:
-        rec = rt.tracer.start_server("x", {}, {"traceparent": fields[3].partition("=")[2]}, 0)
-        steps["callee: tracer.attach + detach (OTel context)"] = lambda: rt.tracer.detach(rt.tracer.attach(rec))
-        steps["callee: tracer.start_server (parse traceparent)"] = lambda: rt.tracer.start_server(
-            "x", {}, {"traceparent": fields[3].partition("=")[2]}, 0)
-    out = {}
-    for name, fn in steps.items():
-        try:
-            out[name] = best(fn)
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"{type(e).__name__}: {e}"
+        timed_wrapper.__rpc_observe_original__ = original
+        setattr(owner, name, timed_wrapper)
+
+
+def self_time_report() -> dict:
+    """Median and mean self time (us) per wrapper since the last report; resets."""
+    out = {k: {"calls": len(v), "median_us": statistics.median(v) / 1e3, "mean_us": statistics.mean(v) / 1e3}
+           for k, v in _SELF_NS.items() if len(v) >= 100}
+    _SELF_NS.clear()
     return out
+
+
+def cmd_selftime(n: int = 3000, **_) -> dict:
+    """`n` no-op RPCs; each process's rpc_observe self time per wrapper (needs BENCH_SELF_TIME=1)."""
+    t = torch.ones(4)
+    self_time_report()
+    rpc.rpc_sync(PEER, self_time_report)
+    for _ in range(n):
+        rpc.rpc_sync(PEER, echo, args=(t,))
+    return {"caller": self_time_report(), "callee": rpc.rpc_sync(PEER, self_time_report)}
 
 
 COMMANDS = {
     "noop": cmd_noop, "big": cmd_big, "thr": cmd_thr, "ser": cmd_ser, "pickler": cmd_pickler,
-    "memory": cmd_memory, "cprofile": cmd_cprofile, "loop": cmd_loop, "hotpath": cmd_hotpath,
+    "memory": cmd_memory, "cprofile": cmd_cprofile, "loop": cmd_loop, "selftime": cmd_selftime,
 }
 
 
@@ -412,37 +394,7 @@ def reply(obj) -> None:
     _ctl.write(json.dumps(obj) + "\n")
 
 
-def unpatch(parts: str) -> None:
-    """Diagnostics only (BENCH_UNPATCH=client,pickler,server,done_cb): puts torch's originals back
-    for some of rpc_observe's wrappers before init_rpc, to price each wrapper separately."""
-    from torch.distributed.rpc import api, internal
-
-    def restore(owner, name):
-        current = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        setattr(owner, name, current.__rpc_observe_original__)
-
-    for part in parts.split(","):
-        if part == "client":
-            restore(api, "_invoke_rpc")
-        elif part == "pickler":
-            restore(internal._InternalRPCPickler, "serialize")
-            restore(internal._InternalRPCPickler, "deserialize")
-        elif part == "server":
-            restore(internal, "_run_function")
-        elif part == "notrailer":  # experiment: no trailer appended to requests and responses
-            from rpc_observe import propagation
-
-            propagation.request_trailer = lambda src, mode, carrier: b""
-            propagation.response_trailer = lambda method: b""
-        elif part == "done_cb":  # finish the call inline (right after the future is created) instead of in a callback
-            from rpc_observe import _client
-
-            _client._watch = lambda call, future, rf_future: None
-
-
 def main() -> None:
-    if os.environ.get("BENCH_UNPATCH"):
-        unpatch(os.environ["BENCH_UNPATCH"])
     cpus = os.environ.get("BENCH_CPUS")
     if cpus:  # e.g. "0" for the caller and "1" for the callee
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
@@ -452,6 +404,8 @@ def main() -> None:
         kwargs["_transports"] = [transport]
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{INIT_FILE}", num_worker_threads=16,
                                               rpc_timeout=120, **kwargs)
+    if os.environ.get("BENCH_SELF_TIME"):
+        install_self_timer()
     rpc.init_rpc(f"worker{RANK}", rank=RANK, world_size=2, rpc_backend_options=options)
     check_config()
     reply({"ready": True, "pid": os.getpid(), "config": CONFIG, "rank": RANK, "state": instrumentation_state(),

@@ -62,6 +62,9 @@ ENVS = {
     "e": dict(ON),
 }
 NO_SITE = ("a", "a2", "ap")
+for _c in ("c", "d"):  # --profile: (c), (d) with the worker's in-situ self-timer (BENCH_SELF_TIME)
+    LABELS[_c + "_t"] = LABELS[_c] + " + self-timer"
+    ENVS[_c + "_t"] = {**ENVS[_c], "BENCH_SELF_TIME": "1"}
 TRANSPORT = ["uv"]  # set from --transport
 EXTRA_ENV: dict[str, dict] = {}  # per config, for diagnostics
 
@@ -549,15 +552,25 @@ def run_profile(pairs: dict[str, Pair], py_spy: str | None, tmp: str, seconds: f
             f"{med[f'{r}_{k}']:.2f}" if k.endswith("cs") else f"{med[f'{r}_{k}']:.0f}"
             for r in ("caller", "callee") for k in ("vcs", "nvcs", "user_us", "sys_us")) + " |")
     texts.append("\n".join(lines))
-    # 2. In-process cost of each rpc_observe hot-path step (warm caches: a lower bound).
+    # 2. In situ: each wrapper's own time per no-op RPC, on the thread that runs it (pairs c_t, d_t:
+    #    (c), (d) with the worker's self-timer, which adds its own ~1-2 us per wrapper).
     for c in ("c", "d"):
-        pr = pairs[c]
+        pr = pairs[c + "_t"]
         pr.resume()
-        hot = pr.caller.call("hotpath", n=3000)
+        res = [pr.caller.call("selftime", n=3000) for _ in range(3)]
         pr.pause()
-        out[f"hotpath {c}"] = hot
-        texts.append(f"In-process cost of each hot-path step in ({c}), us (best of 5 x 3000, warm caches):\n"
-                     + "\n".join(f"| {k} | {v if isinstance(v, str) else f'{v:.2f}'} |" for k, v in hot.items()))
+        out[f"selftime {c}"] = res
+        lines = [f"rpc_observe's own time per no-op RPC in ({c}), in situ, us (median per call; median of 3 x 3000):",
+                 "| process | wrapper @ thread | median us | mean us |", "|---|---|---|---|"]
+        totals = {}
+        for role in ("caller", "callee"):
+            for key in sorted(res[0][role]):
+                med = statistics.median(r[role][key]["median_us"] for r in res if key in r[role])
+                mean = statistics.median(r[role][key]["mean_us"] for r in res if key in r[role])
+                totals[role] = totals.get(role, 0.0) + med
+                lines.append(f"| {role} | {key} | {med:.1f} | {mean:.1f} |")
+        lines.append(f"| both | sum of medians | {sum(totals.values()):.1f} | |")
+        texts.append("\n".join(lines))
     # 3. perf (if installed): CPU per RPC by shared object, (a) vs (d).
     perf = shutil.which("perf")
     if perf:
@@ -777,7 +790,7 @@ def main() -> int:
     if mode == "memory":
         configs = ["a", "d"]
     elif mode == "profile":
-        configs = ["a", "c", "d"]
+        configs = ["a", "c", "d", "c_t", "d_t"]
     else:
         configs = (["a", "b", "c", "d", "e"] + ([] if args.no_control else ["a2"])
                    + (["ap"] if args.profiler_baseline else []))

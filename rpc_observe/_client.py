@@ -23,11 +23,12 @@ import threading
 import time
 
 from . import _health, _runtime, propagation
+from .metrics import fold_finished, fold_started
 
 local = threading.local()  # .call: the client call being serialized on this thread
 # Calls that end when their response is unpickled, by call id.
 in_flight: dict[int, "Call"] = {}
-_next_id = itertools.count(1).__next__
+next_id = itertools.count(1).__next__
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
 
@@ -76,8 +77,8 @@ def profiling_key(mode: str, method: str, src: str, dst: str) -> str:
 class ClientSite:
     """What every call of one function, mode and destination shares: names, attributes, metric cells."""
 
-    __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "cells", "started", "request_cells",
-                 "response_cells", "trailer_head", "echoed")
+    __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "record", "cells", "started",
+                 "request_cells", "response_cells", "trailer_head", "echoed")
 
     def __init__(self, runtime, func, mode: str, dst: str):
         import torch
@@ -98,8 +99,9 @@ class ClientSite:
                        and torch.jit._builtins._find_builtin(func) is None
                        and not isinstance(func, torch.jit.ScriptFunction))
         metrics = runtime.metrics
+        self.record = metrics.record if metrics else None
         self.cells = metrics.client_cells(self.method, mode, dst) if metrics else None
-        self.started = metrics.started_record(self.cells) if metrics else None
+        self.started = (fold_started, self.cells) if metrics else None
         self.request_cells = metrics.message_cells("serialize", "request", self.method) if metrics else None
         self.response_cells = metrics.message_cells("deserialize", "response", self.method) if metrics else None
 
@@ -121,37 +123,28 @@ class Call:
             self.tid = _native_id() if profiler.armed else 0
         else:
             self.rf = None
-        if metrics is not None:
-            metrics.started(site.started)
+        if site.record is not None:
+            site.record(site.started)
 
-    def request_trailer(self) -> bytes:
-        """The request's trailer; a call whose response will be echoed gets its id here."""
+    def finish(self, end_ns: int | None = None, error: tuple[str, str] | None = None) -> None:
+        """Ends the call at `end_ns` (now if None); `error` is its (error.type, message)."""
+        end_ns = _time_ns() if end_ns is None else end_ns
         runtime, site = self.runtime, self.site
-        if site.echoed:
-            self.id = _next_id()
-            in_flight[self.id] = self
-        context = runtime.tracer.context_text(self.span) if self.span is not None else ""
-        return propagation.request_trailer(site.trailer_head, self.id, context)
-
-    def finish(self, error_type: str | None = None, message: str | None = None) -> None:
-        end_ns = _time_ns()
-        runtime, site = self.runtime, self.site
-        metrics = runtime.metrics
-        if metrics is not None:
-            metrics.finished(site.cells, (end_ns - self.start_ns) / 1e9)
-            if error_type is not None:
-                metrics.count_error("client", site.method, site.dst, error_type)
+        if site.record is not None:
+            site.record((fold_finished, site.cells, (end_ns - self.start_ns) / 1e9))
+            if error is not None:
+                runtime.metrics.count_error("client", site.method, site.dst, error[0])
         if self.span is not None:
-            runtime.tracer.end(self.span, end_ns, message, error_type)
+            if error is None:
+                runtime.tracer.end(self.span, end_ns)
+            else:
+                runtime.tracer.end(self.span, end_ns, error[1], error[0])
         profiler = runtime.profiler
         if profiler is not None and self.rf is None and profiler.armed:
             profiler.record(site.key, "client", self.start_ns, end_ns, self.tid, self.span)
 
     def fail(self, error: BaseException | None) -> None:
-        if error is None:
-            self.finish()
-        else:
-            self.finish(classify(error), str(error))
+        self.finish(None, (classify(error), str(error)) if error is not None else None)
 
     def on_done(self, future) -> None:
         try:
@@ -160,24 +153,12 @@ class Call:
             _health.internal_error("client_done")
 
 
-def take(call_id: str) -> Call | None:
-    """The call in flight with this id, from a response's trailer; it is no longer in flight."""
-    if not call_id:
-        return None
-    try:
-        return in_flight.pop(int(call_id), None)
-    except ValueError:
-        _health.invalid_context()
-        return None
-
-
-def responded(call: Call, obj) -> None:
-    """Ends `call`, whose response was just unpickled as `obj`."""
+def remote_error(obj) -> tuple[str, str] | None:
+    """(error.type, message) of a response that is a UDF's exception (torch raises it on the caller)."""
     exception_type = getattr(obj, "exception_type", None)
     if exception_type is not None and type(obj).__name__ == "RemoteException":
-        call.finish(exception_type.__name__, obj.msg)  # torch raises it on the caller
-    else:
-        call.finish()
+        return exception_type.__name__, obj.msg
+    return None
 
 
 def sweep() -> None:
@@ -282,7 +263,7 @@ def wrap_invoke_rpc(original):
 
     def _invoke_rpc(to, func, rpc_type, *args, **kwargs):
         runtime = _runtime.current
-        call = _begin(runtime, to, func, rpc_type.value) if runtime is not None else None
+        call = _begin(runtime, to, func, rpc_type._value_) if runtime is not None else None  # not .value: a descriptor
         if call is None:
             return original(to, func, rpc_type, *args, **kwargs)
         outer = getattr(local, "call", None)

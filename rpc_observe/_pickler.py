@@ -13,9 +13,16 @@ import threading
 import time
 
 from . import _client, _health, _runtime, _server, propagation
+from .metrics import fold_finished, fold_message
 
 _perf_counter = time.perf_counter
+_time_ns = time.time_ns
 _tuple_new = tuple.__new__
+_MAGIC = propagation.MAGIC
+_local = _client.local
+_in_flight = _client.in_flight
+_next_id = _client.next_id
+_pending_replies = _server.pending_replies
 _thread_id = threading.get_ident
 _UNKNOWN = "unknown"
 # torch clones a tensor before sending it when it is a small view of a big storage
@@ -40,55 +47,22 @@ def tensor_sizes(tensors) -> tuple[int, int]:
     return logical, traveling
 
 
-def _on_serialize(runtime, obj, data: bytes, tensors, seconds: float) -> bytes:
-    # Requests first: a pool thread pickling a response has a fresh thread state, whose
-    # threading.local would be created just to be found empty.
-    call = getattr(_client.local, "call", None) if type(obj) is _PythonUDF else None
-    if call is not None:  # a request
-        site = call.site
-        trailer = call.request_trailer()
-        cells = site.request_cells
-    else:
-        reply = _server.pending_replies.pop(_thread_id(), None)
-        if reply is None:
-            cells = _unknown_cells(runtime, "serialize", "response")
-            trailer = b""
-        else:
-            site, call_id = reply
-            cells = site.response_cells
-            trailer = propagation.response_trailer(call_id) if call_id else b""
-        call = None
-    metrics = runtime.metrics
-    if metrics is not None:
-        logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-        if call is not None:
-            metrics.message(cells, len(data), len(tensors), logical, traveling, seconds,
-                            site.cells[3], len(data) + len(trailer) + traveling)
-        else:
-            metrics.message(cells, len(data), len(tensors), logical, traveling, seconds)
-    return data + trailer if trailer else data
-
-
-def _on_deserialize(runtime, obj, data: bytes, tensors, seconds: float):
+def _on_other_message(runtime, obj, data: bytes, tensors, seconds: float):
+    """Requests, and responses that are not echoed (or whose trailer is malformed)."""
     size, fields = propagation.split(data)
-    metrics = runtime.metrics
-    if fields is not None and fields[0] == "r":  # a response to a call of ours
-        call = _client.take(fields[1])
-        try:
-            if metrics is not None:
-                cells = call.site.response_cells if call is not None else _unknown_cells(runtime, "deserialize", "response")
-                logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-                metrics.message(cells, size, len(tensors), logical, traveling, seconds)
-        finally:
-            if call is not None:
-                _client.responded(call, obj)
+    record = runtime.metrics.record if runtime.metrics is not None else None
+    if fields is not None and fields[0] == "r":  # not in flight (any more), or a hostile id
+        if record is not None:
+            logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+            record((fold_message, _unknown_cells(runtime, "deserialize", "response"), size, len(tensors), logical,
+                    traveling, seconds, None, 0))
         return obj
     request = type(obj) is _PythonUDF
     if fields is not None and fields[0] == "q" and (request or isinstance(obj, AttributeError)):
         if request:
             obj = _tuple_new(_IncomingUDF, obj)
         obj.rpc_observe_fields = fields  # for the wrapped _run_function
-    if metrics is not None:
+    if record is not None:
         if request:
             cells = runtime.request_cells.get(obj.func)
             if cells is None:
@@ -96,7 +70,7 @@ def _on_deserialize(runtime, obj, data: bytes, tensors, seconds: float):
         else:
             cells = _unknown_cells(runtime, "deserialize", "request" if isinstance(obj, AttributeError) else "response")
         logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-        metrics.message(cells, size, len(tensors), logical, traveling, seconds)
+        record((fold_message, cells, size, len(tensors), logical, traveling, seconds, None, 0))
     return obj
 
 
@@ -122,13 +96,15 @@ def _unknown_cells(runtime, direction: str, message: str) -> tuple | None:
     return cells
 
 
-_PythonUDF = _IncomingUDF = None  # set when torch.distributed.rpc is patched
+_PythonUDF = _IncomingUDF = _RemoteException = None  # set when torch.distributed.rpc is patched
 
 
 def _bind_torch_types() -> None:
-    global _PythonUDF, _IncomingUDF
+    global _PythonUDF, _IncomingUDF, _RemoteException
     if _PythonUDF is None:
-        from torch.distributed.rpc.internal import PythonUDF
+        from torch.distributed.rpc.internal import PythonUDF, RemoteException
+
+        _RemoteException = RemoteException
 
         class _IncomingUDF(PythonUDF):
             """A PythonUDF that also carries the caller's trailer fields to `_run_function`."""
@@ -146,8 +122,35 @@ def wrap_serialize(original):
         start = _perf_counter()
         data, tensors = original(self, obj)
         seconds = _perf_counter() - start
+        # Inline on purpose, like `deserialize`: see there.
         try:
-            data = _on_serialize(runtime, obj, data, tensors, seconds)
+            call = getattr(_local, "call", None) if type(obj) is _PythonUDF else None
+            if call is not None:  # a request
+                site = call.site
+                if site.echoed:
+                    call.id = _next_id()
+                    _in_flight[call.id] = call
+                context = runtime.tracer.context_text(call.span) if call.span is not None else ""
+                trailer = propagation.request_trailer(site.trailer_head, call.id, context)
+                record = site.record
+                if record is not None:
+                    logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+                    record((fold_message, site.request_cells, len(data), len(tensors), logical, traveling, seconds,
+                            site.cells[3], len(data) + len(trailer) + traveling))
+                return data + trailer, tensors
+            reply = _pending_replies.pop(_thread_id(), None)
+            if reply is not None:  # the response of a UDF this thread just ran
+                site, call_id = reply
+                record = site.record
+                trailer = propagation.response_trailer(call_id) if call_id else b""
+            else:
+                record = runtime.metrics.record if runtime.metrics is not None else None
+                trailer = b""
+            if record is not None:
+                cells = site.response_cells if reply is not None else _unknown_cells(runtime, "serialize", "response")
+                logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+                record((fold_message, cells, len(data), len(tensors), logical, traveling, seconds, None, 0))
+            return (data + trailer if trailer else data), tensors
         except Exception:
             _health.internal_error("serialize")
         return data, tensors
@@ -165,8 +168,48 @@ def wrap_deserialize(original):
         start = _perf_counter()
         obj = original(self, binary_data, tensor_table)
         seconds = _perf_counter() - start
+        # Inline on purpose: this runs on the agent's pool threads with cold caches, where
+        # each function (and module) touched costs microseconds of cache misses, several
+        # times its warm cost (BENCHMARKS.md). The commonest messages, a request with our
+        # trailer and the echoed response to one of our calls (ended here), take no call of ours.
         try:
-            return _on_deserialize(runtime, obj, binary_data, tensor_table, seconds)
+            data, tensors = binary_data, tensor_table
+            if data[-8:] == _MAGIC and len(data) > 10 and data[-9] == 0:
+                size = data[-10]
+                payload = data[-10 - size:-10]
+                if payload[:2] == b"r\x1f" and payload[2:].isdigit():
+                    call = _in_flight.pop(int(payload[2:]), None)
+                    if call is not None:
+                        site = call.site
+                        end_ns = _time_ns()
+                        record = site.record
+                        if record is not None:
+                            logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+                            record((fold_message, site.response_cells, len(data) - size - 10, len(tensors), logical,
+                                    traveling, seconds, None, 0))
+                        if type(obj) is _RemoteException or call.rf is not None or (
+                                runtime.profiler is not None and runtime.profiler.armed):
+                            call.finish(end_ns, _client.remote_error(obj))
+                            return obj
+                        if record is not None:
+                            record((fold_finished, site.cells, (end_ns - call.start_ns) / 1e9))
+                        if call.span is not None:
+                            runtime.tracer.end(call.span, end_ns)
+                        return obj
+                elif payload[:2] == b"q\x1f" and type(obj) is _PythonUDF and payload.isascii():
+                    # A request: the same checks as `propagation.split`, which handles the rest.
+                    fields = payload.decode("ascii").split("\x1f")
+                    call_id = fields[3] if len(fields) >= 4 else "x"
+                    if not call_id or (len(call_id) <= 20 and call_id.isdigit()):
+                        obj = _tuple_new(_IncomingUDF, obj)
+                        obj.rpc_observe_fields = fields  # for the wrapped _run_function
+                        if runtime.metrics is not None:
+                            cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func)
+                            logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+                            runtime.metrics.record((fold_message, cells, len(data) - size - 10, len(tensors), logical,
+                                                    traveling, seconds, None, 0))
+                        return obj
+            return _on_other_message(runtime, obj, data, tensors, seconds)
         except Exception:
             _health.internal_error("deserialize")
             return obj

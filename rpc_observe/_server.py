@@ -13,11 +13,13 @@ import threading
 import time
 
 from . import _client, _health, _runtime
+from .metrics import fold_served
 
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
 _thread_id = threading.get_ident
 UNKNOWN = "unknown"
+_RemoteException = None  # torch's, bound when torch.distributed.rpc is patched
 # The site and caller's call id of the UDF whose response is pickled next on a thread, by
 # thread id: torch's pool threads get a fresh Python thread state (and empty
 # threading.local) every time they take the GIL, between running a UDF and pickling its response.
@@ -25,8 +27,8 @@ pending_replies: dict[int, tuple] = {}
 
 
 class ServerSite:
-    __slots__ = ("key", "span_name", "method", "src", "attributes", "duration", "response_cells", "is_async",
-                 "replies")
+    __slots__ = ("key", "span_name", "method", "src", "attributes", "record", "duration", "response_cells",
+                 "is_async", "replies")
 
     def __init__(self, runtime, func, src: str, mode: str):
         self.method = _client.method_name(func) if func is not None else UNKNOWN
@@ -41,47 +43,34 @@ class ServerSite:
             "torch.rpc.profiling_key": self.key, "torch.rpc.internal": _client.is_internal(func),
         }
         metrics = runtime.metrics
+        self.record = metrics.record if metrics else None
         self.duration = metrics.server_cell(self.method, src) if metrics else None
         self.response_cells = metrics.message_cells("serialize", "response", self.method) if metrics else None
 
 
+def _site(runtime, key: tuple) -> ServerSite:
+    sites = runtime.server_sites
+    if len(sites) > 10_000:
+        sites.clear()
+    site = sites[key] = ServerSite(runtime, *key)
+    return site
+
+
 class Serving:
-    """One UDF being run."""
+    """A UDF run that does not end the plain way: async_execution, failed, or seen by a profiler."""
 
-    __slots__ = ("runtime", "site", "start_ns", "span", "token", "tid", "call_id")
+    __slots__ = ("runtime", "site", "start_ns", "span", "tid")
 
-    def __init__(self, runtime, python_udf):
-        fields = getattr(python_udf, "rpc_observe_fields", None)
-        src, mode, self.call_id = (fields[1], fields[2], fields[3]) if fields else (UNKNOWN, UNKNOWN, "")
-        func = None if isinstance(python_udf, BaseException) else python_udf.func
-        sites = runtime.server_sites
-        site = sites.get((func, src, mode))
-        if site is None:
-            if len(sites) > 10_000:
-                sites.clear()
-            site = sites[(func, src, mode)] = ServerSite(runtime, func, src, mode)
-        self.runtime, self.site = runtime, site
-        self.start_ns = _time_ns()
-        profiler = runtime.profiler
-        self.tid = _native_id() if profiler is not None and profiler.armed else 0
-        tracer = runtime.tracer
-        self.span = self.token = None
-        if tracer is not None:
-            self.span = tracer.start_server(site.span_name, site.attributes, fields, self.start_ns)
-            self.token = tracer.attach(self.span)
-
-    def leave(self) -> None:
-        if self.token is not None:
-            self.runtime.tracer.detach(self.token)
+    def __init__(self, runtime, site: ServerSite, start_ns: int, span, tid: int):
+        self.runtime, self.site, self.start_ns, self.span, self.tid = runtime, site, start_ns, span, tid
 
     def finish(self, error_type: str | None, message: str | None) -> None:
         end_ns = _time_ns()
         runtime, site = self.runtime, self.site
-        metrics = runtime.metrics
-        if metrics is not None:
-            metrics.served(site.duration, (end_ns - self.start_ns) / 1e9)
+        if site.record is not None:
+            site.record((fold_served, site.duration, (end_ns - self.start_ns) / 1e9))
             if error_type is not None:
-                metrics.count_error("server", site.method, site.src, error_type)
+                runtime.metrics.count_error("server", site.method, site.src, error_type)
         if self.span is not None:
             runtime.tracer.end(self.span, end_ns, message, error_type)
         profiler = runtime.profiler
@@ -96,41 +85,59 @@ class Serving:
         except Exception:
             _health.internal_error("server_done")
 
-    def returned(self, result) -> None:
-        if self.site.is_async and hasattr(result, "add_done_callback"):
-            result.add_done_callback(self.on_done)
-            return
-        exception_type = getattr(result, "exception_type", None)
-        if exception_type is not None and type(result).__name__ == "RemoteException":
-            self.finish(exception_type.__name__, result.msg)
-        else:
-            self.finish(None, None)
-        if self.site.replies:
-            pending_replies[_thread_id()] = (self.site, self.call_id)
-
 
 def wrap_run_function(original):
     """Wraps `internal._run_function(python_udf)`."""
+    global _RemoteException
+    from torch.distributed.rpc.internal import RemoteException
+
+    _RemoteException = RemoteException
 
     def _run_function(python_udf):
         runtime = _runtime.current
-        serving = None
-        if runtime is not None:
-            try:
-                serving = Serving(runtime, python_udf)
-            except Exception:
-                _health.internal_error("server_start")
-        if serving is None:
+        if runtime is None:
+            return original(python_udf)
+        # Inline on purpose: this runs on the agent's pool threads, where each function
+        # touched costs microseconds of cache misses (see `_pickler._on_deserialize`).
+        try:
+            fields = getattr(python_udf, "rpc_observe_fields", None)
+            func = getattr(python_udf, "func", None)  # None: the UDF could not be unpickled
+            key = (func, fields[1], fields[2]) if fields is not None else (func, UNKNOWN, UNKNOWN)
+            site = runtime.server_sites.get(key) or _site(runtime, key)
+            start_ns = _time_ns()
+            tracer = runtime.tracer
+            span = token = None
+            if tracer is not None:
+                span = tracer.start_server(site.span_name, site.attributes, fields, start_ns)
+                token = tracer.attach(span)
+            profiler = runtime.profiler
+            tid = _native_id() if profiler is not None and profiler.armed else 0
+        except Exception:
+            _health.internal_error("server_start")
             return original(python_udf)
         try:
             result = original(python_udf)
         finally:
-            try:
-                serving.leave()
-            except Exception:
-                _health.internal_error("server_detach")
+            if token is not None:
+                try:
+                    tracer.detach(token)
+                except Exception:
+                    _health.internal_error("server_detach")
         try:
-            serving.returned(result)
+            if site.is_async and hasattr(result, "add_done_callback"):
+                result.add_done_callback(Serving(runtime, site, start_ns, span, tid).on_done)
+                return result
+            if type(result) is _RemoteException or tid:
+                error = _client.remote_error(result)
+                Serving(runtime, site, start_ns, span, tid).finish(*(error or (None, None)))
+            else:
+                end_ns = _time_ns()
+                if site.record is not None:
+                    site.record((fold_served, site.duration, (end_ns - start_ns) / 1e9))
+                if span is not None:
+                    tracer.end(span, end_ns)
+            if site.replies:
+                pending_replies[_thread_id()] = (site, fields[3] if fields is not None else "")
         except Exception:
             _health.internal_error("server_end")
         return result

@@ -53,7 +53,8 @@ def _observe(cell: list, buckets: tuple[float, ...], value: float) -> None:
 
 
 # Record handlers, applied by `Metrics.drain` under its lock; each record is (handler, ...).
-def _message(r: tuple) -> None:
+# The hot paths build the records themselves and pass them to `Metrics.record`.
+def fold_message(r: tuple) -> None:
     _, cells, nbytes, ntensors, tensor_bytes, storage_bytes, seconds, sent_cell, sent = r
     if sent_cell is not None:
         sent_cell[0] += sent
@@ -64,19 +65,19 @@ def _message(r: tuple) -> None:
     _observe(cells[4], SERIALIZATION_BUCKETS, seconds)
 
 
-def _started(r: tuple) -> None:
+def fold_started(r: tuple) -> None:
     cells = r[1]
     cells[1][0] += 1  # requests
     cells[2][0] += 1  # in flight
 
 
-def _finished(r: tuple) -> None:
+def fold_finished(r: tuple) -> None:
     cells = r[1]
     _observe(cells[0], LATENCY_BUCKETS, r[2])
     cells[2][0] -= 1
 
 
-def _served(r: tuple) -> None:
+def fold_served(r: tuple) -> None:
     _observe(r[1], LATENCY_BUCKETS, r[2])
 
 
@@ -87,7 +88,7 @@ class Metrics(Collector):
                  before_collect: Callable[[], None] | None = None):
         self.worker = worker
         self._records: collections.deque = collections.deque()
-        self._append = self._records.append
+        self.record = self._records.append  # record((fold_..., ...)): one C call, safe across threads
         self._before_collect = before_collect
         self._max_names = max_names
         self._names: dict[str, set] = {"method": set(), "peer": set(), "exception": set()}
@@ -130,26 +131,7 @@ class Metrics(Collector):
                     self.tensor_bytes.child(values), self.storage_bytes.child(values),
                     self.serialization_seconds.child(values))
 
-    # -- hot path: one deque append each -------------------------------------------
-    def message(self, cells: tuple[list, ...], nbytes: int, ntensors: int, tensor_bytes: int,
-                storage_bytes: int, seconds: float, sent_cell: list | None = None, sent: int = 0) -> None:
-        """One message's five histograms (and, for a request, the bytes sent to its peer)."""
-        self._append((_message, cells, nbytes, ntensors, tensor_bytes, storage_bytes, seconds, sent_cell, sent))
-
-    def started(self, record: tuple) -> None:
-        """A client call started; `record` is its site's `started_record`, built once."""
-        self._append(record)
-
-    @staticmethod
-    def started_record(cells: tuple[list, ...]) -> tuple:
-        return (_started, cells)
-
-    def finished(self, cells: tuple[list, ...], seconds: float) -> None:
-        self._append((_finished, cells, seconds))
-
-    def served(self, cell: list, seconds: float) -> None:
-        self._append((_served, cell, seconds))
-
+    # -- hot path: `record((fold_..., ...))`, one deque append ---------------------
     def drain(self, limit: int | None = None) -> bool:
         """Folds up to `limit` queued records (all if None) into the metric cells; True if some are left."""
         records, pop = self._records, self._records.popleft

@@ -10,6 +10,7 @@ and counted in rpc_observe_spans_dropped_total, so an RPC never waits on an expo
 from __future__ import annotations
 
 import collections
+import contextvars
 import logging
 import random
 import threading
@@ -28,7 +29,16 @@ _logger = logging.getLogger("rpc_observe")
 SERVER = 2  # OTLP SpanKind values
 CLIENT = 3
 _getrandbits = random.getrandbits
-_get_current = context.get_current
+
+
+def _context_getter():
+    """`context.get_current`, without its two Python frames when the runtime context is
+    OpenTelemetry's default (a ContextVar); each frame counts on the hot path."""
+    var = getattr(getattr(context, "_RUNTIME_CONTEXT", None), "_current_context", None)
+    return var.get if isinstance(var, contextvars.ContextVar) else context.get_current
+
+
+_get_current = _context_getter()
 _get_ident = threading.get_ident
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)

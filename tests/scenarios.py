@@ -347,15 +347,13 @@ SCENARIOS = {"basic": basic, "metrics": metrics, "marker": marker, "latency": la
 
 def _break_telemetry():
     """Fault injection into rpc_observe itself: its metrics and its exporter raise."""
-    from rpc_observe import _runtime, metrics
+    from rpc_observe import _runtime
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected telemetry failure")
 
-    metrics.Metrics.message = broken
-    metrics.Metrics.finished = broken
-    metrics.Metrics.served = broken
     runtime = _runtime.current
+    runtime.metrics.record = broken  # what every call site binds when it is first seen
     if runtime is not None and runtime.tracer is not None:
         for sink in runtime.tracer._sinks:
             sink.export = broken

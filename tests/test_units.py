@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from rpc_observe import config, propagation
 from rpc_observe._pickler import tensor_sizes
-from rpc_observe.metrics import Metrics
+from rpc_observe.metrics import Metrics, fold_finished, fold_started
 from cluster import samples, total
 
 
@@ -57,8 +57,8 @@ def test_metric_families_are_cumulative_and_labelled():
     metrics = Metrics("w0", max_names=2)
     cells = metrics.client_cells("f", "sync", "w1")
     for seconds in (0.0007, 3.0):
-        metrics.started(metrics.started_record(cells))
-        metrics.finished(cells, seconds)
+        metrics.record((fold_started, cells))
+        metrics.record((fold_finished, cells, seconds))
     for name in ("g", "h"):
         metrics.client_cells(name, "sync", "w1")
     registry = CollectorRegistry()
