@@ -22,6 +22,8 @@ import itertools
 import threading
 import time
 
+from torch.autograd import _profiler_enabled
+
 from . import _health, _runtime, propagation
 from .metrics import fold_finished, fold_started
 
@@ -29,6 +31,7 @@ local = threading.local()  # .call: the client call being serialized on this thr
 # Calls that end when their response is unpickled, by call id.
 in_flight: dict[int, "Call"] = {}
 next_id = itertools.count(1).__next__
+_sweep_lock = threading.Lock()
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
 
@@ -116,10 +119,10 @@ class Call:
         self.start_ns = _time_ns()
         self.id = 0
         self.future = None
-        tracer, profiler, metrics = runtime.tracer, runtime.profiler, runtime.metrics
+        tracer, profiler = runtime.tracer, runtime.profiler
         self.span = tracer.start_client(site.span_name, site.attributes, self.start_ns) if tracer else None
         if profiler is not None:
-            self.rf = profiler.client_start(site.key)
+            self.rf = profiler.client_start(site.key) if _profiler_enabled() else None
             self.tid = _native_id() if profiler.armed else 0
         else:
             self.rf = None
@@ -163,18 +166,23 @@ def remote_error(obj) -> tuple[str, str] | None:
 
 def sweep() -> None:
     """Ends the calls that completed without an echoed response: failed ones, and replies of peers
-    without rpc_observe (their call sites stop waiting for an echo)."""
-    for call_id, call in list(in_flight.items()):
-        future = call.future
-        if future is None or not future.done() or in_flight.pop(call_id, None) is None:
-            continue
-        error = future_error(future)
-        if error is None:
-            call.site.echoed = False
-        try:
-            call.fail(error)
-        except Exception:
-            _health.internal_error("client_sweep")
+    without rpc_observe (their call sites stop waiting for an echo).
+
+    One sweep at a time, so that a scrape that sweeps first also sees what a concurrent
+    sweep (the housekeeping thread's) has taken out of `in_flight` but not yet recorded.
+    """
+    with _sweep_lock:
+        for call_id, call in list(in_flight.items()):
+            future = call.future
+            if future is None or not future.done() or in_flight.pop(call_id, None) is None:
+                continue
+            error = future_error(future)
+            if error is None:
+                call.site.echoed = False
+            try:
+                call.fail(error)
+            except Exception:
+                _health.internal_error("client_sweep")
 
 
 def future_error(future) -> BaseException | None:
@@ -263,7 +271,14 @@ def wrap_invoke_rpc(original):
 
     def _invoke_rpc(to, func, rpc_type, *args, **kwargs):
         runtime = _runtime.current
-        call = _begin(runtime, to, func, rpc_type._value_) if runtime is not None else None  # not .value: a descriptor
+        call = None
+        if runtime is not None:
+            mode = rpc_type._value_  # not .value: a descriptor, a Python call
+            try:  # a known site by name, inline; _begin for the rest
+                site = runtime.client_sites.get((func, mode, to)) if type(to) is str else None
+                call = Call(runtime, site) if site is not None else _begin(runtime, to, func, mode)
+            except Exception:
+                _health.internal_error("client_start")
         if call is None:
             return original(to, func, rpc_type, *args, **kwargs)
         outer = getattr(local, "call", None)
@@ -275,6 +290,9 @@ def wrap_invoke_rpc(original):
             _end_inline(call, e)
             raise
         local.call = outer
+        if call.id and call.rf is None:  # its echoed response ends it
+            call.future = future
+            return future
         return _watch(call, future)
 
     return _invoke_rpc
