@@ -22,7 +22,9 @@ import itertools
 import threading
 import time
 
+import torch
 from torch.autograd import _profiler_enabled
+from torch.distributed.rpc.internal import RemoteException
 
 from . import _health, _runtime, propagation
 from .metrics import fold_finished, fold_started
@@ -57,8 +59,6 @@ def method_name(func) -> str:
 
 def _method_name(func) -> str:
     """Builtin, TorchScript or Python qualname, as torch's `_enable_rpc_profiler` picks it."""
-    import torch
-
     builtin = torch.jit._builtins._find_builtin(func)
     if builtin is not None:
         return builtin
@@ -84,8 +84,6 @@ class ClientSite:
                  "request_cells", "response_cells", "trailer_head", "echoed")
 
     def __init__(self, runtime, func, mode: str, dst: str):
-        import torch
-
         self.method = method_name(func)
         self.mode, self.dst = mode, dst
         self.key = profiling_key(mode, self.method, runtime.worker, dst)
@@ -158,10 +156,7 @@ class Call:
 
 def remote_error(obj) -> tuple[str, str] | None:
     """(error.type, message) of a response that is a UDF's exception (torch raises it on the caller)."""
-    exception_type = getattr(obj, "exception_type", None)
-    if exception_type is not None and type(obj).__name__ == "RemoteException":
-        return exception_type.__name__, obj.msg
-    return None
+    return (obj.exception_type.__name__, obj.msg) if type(obj) is RemoteException else None
 
 
 def sweep() -> None:

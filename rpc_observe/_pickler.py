@@ -23,6 +23,7 @@ _local = _client.local
 _in_flight = _client.in_flight
 _next_id = _client.next_id
 _pending_replies = _server.pending_replies
+_RemoteException = _client.RemoteException
 _thread_id = threading.get_ident
 _UNKNOWN = "unknown"
 # torch clones a tensor before sending it when it is a small view of a big storage
@@ -64,9 +65,7 @@ def _on_other_message(runtime, obj, data: bytes, tensors, seconds: float):
         obj.rpc_observe_fields = fields  # for the wrapped _run_function
     if record is not None:
         if request:
-            cells = runtime.request_cells.get(obj.func)
-            if cells is None:
-                cells = _request_cells(runtime, obj.func)
+            cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func)
         else:
             cells = _unknown_cells(runtime, "deserialize", "request" if isinstance(obj, AttributeError) else "response")
         logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
@@ -96,15 +95,13 @@ def _unknown_cells(runtime, direction: str, message: str) -> tuple | None:
     return cells
 
 
-_PythonUDF = _IncomingUDF = _RemoteException = None  # set when torch.distributed.rpc is patched
+_PythonUDF = _IncomingUDF = None  # set when torch.distributed.rpc is patched
 
 
 def _bind_torch_types() -> None:
-    global _PythonUDF, _IncomingUDF, _RemoteException
+    global _PythonUDF, _IncomingUDF
     if _PythonUDF is None:
-        from torch.distributed.rpc.internal import PythonUDF, RemoteException
-
-        _RemoteException = RemoteException
+        from torch.distributed.rpc.internal import PythonUDF
 
         class _IncomingUDF(PythonUDF):
             """A PythonUDF that also carries the caller's trailer fields to `_run_function`."""

@@ -57,22 +57,18 @@ class Runtime:
         threading.Thread(target=self._housekeeping_loop, name="rpc_observe-housekeeping", daemon=True).start()
 
     def housekeeping(self) -> None:
-        """Ends the calls that failed without a response, and folds queued metric records."""
-        from . import _client
+        """Ends the calls that failed without a response, and folds queued metric records.
 
-        _client.sweep()
-        if self.metrics is not None:
-            self.metrics.drain()
+        In slices of 256 records: the GIL is free for the RPC threads between them.
+        """
+        _sweep()
+        while self.metrics is not None and self.metrics.drain(256):
+            time.sleep(0)
 
     def _housekeeping_loop(self) -> None:
-        # Every 0.1 s, in slices: the GIL is free for the RPC threads between them.
-        from . import _client
-
         while not self._stopped.wait(0.1):
             try:
-                _client.sweep()
-                while self.metrics is not None and self.metrics.drain(256):
-                    time.sleep(0)
+                self.housekeeping()
             except Exception:
                 _health.internal_error("housekeeping")
 

@@ -19,7 +19,7 @@ _time_ns = time.time_ns
 _native_id = threading.get_native_id
 _thread_id = threading.get_ident
 UNKNOWN = "unknown"
-_RemoteException = None  # torch's, bound when torch.distributed.rpc is patched
+_RemoteException = _client.RemoteException
 # The site and caller's call id of the UDF whose response is pickled next on a thread, by
 # thread id: torch's pool threads get a fresh Python thread state (and empty
 # threading.local) every time they take the GIL, between running a UDF and pickling its response.
@@ -88,17 +88,13 @@ class Serving:
 
 def wrap_run_function(original):
     """Wraps `internal._run_function(python_udf)`."""
-    global _RemoteException
-    from torch.distributed.rpc.internal import RemoteException
-
-    _RemoteException = RemoteException
 
     def _run_function(python_udf):
         runtime = _runtime.current
         if runtime is None:
             return original(python_udf)
         # Inline on purpose: this runs on the agent's pool threads, where each function
-        # touched costs microseconds of cache misses (see `_pickler._on_deserialize`).
+        # touched costs microseconds of cache misses (see `_pickler.wrap_deserialize`).
         try:
             fields = getattr(python_udf, "rpc_observe_fields", None)
             func = getattr(python_udf, "func", None)  # None: the UDF could not be unpickled

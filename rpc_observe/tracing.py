@@ -48,7 +48,7 @@ class SpanRecord:
     """One finished or running span, kept as plain data until export."""
 
     __slots__ = ("name", "kind", "trace_id", "span_id", "parent_id", "remote_parent",
-                 "start_ns", "end_ns", "attributes", "error_type", "error_message", "sampled", "baggage")
+                 "start_ns", "end_ns", "attributes", "error_type", "error_message", "sampled")
 
     def __init__(self, name, kind, trace_id, span_id, parent_id, remote_parent, sampled, attributes, start_ns):
         self.name = name
@@ -63,7 +63,6 @@ class SpanRecord:
         self.end_ns = 0
         self.error_type = None
         self.error_message = None
-        self.baggage = False  # the caller's context holds baggage to propagate
 
 
 class Tracer:
@@ -95,12 +94,11 @@ class Tracer:
 
     def start_client(self, name: str, attributes: dict, start_ns: int) -> SpanRecord:
         """A CLIENT span, child of the UDF this thread serves, or of the current OpenTelemetry span."""
-        ctx = _get_current()
         serving = self.serving.get(_get_ident()) if self.serving else None
         if serving is not None:
             trace_id, parent_id, sampled, remote = serving.trace_id, serving.span_id, serving.sampled, False
         else:
-            current = ctx.get(_SPAN_KEY)
+            current = _get_current().get(_SPAN_KEY)
             parent = current.get_span_context() if current is not None else None
             if parent is not None and parent.is_valid:
                 trace_id, parent_id, remote = parent.trace_id, parent.span_id, parent.is_remote
@@ -108,15 +106,13 @@ class Tracer:
             else:
                 trace_id, parent_id, remote = _getrandbits(128), 0, False
                 sampled = self._should_sample(trace_id, None)
-        span = SpanRecord(name, CLIENT, trace_id, _getrandbits(64), parent_id, remote, sampled, attributes, start_ns)
-        span.baggage = _BAGGAGE_KEY in ctx
-        return span
+        return SpanRecord(name, CLIENT, trace_id, _getrandbits(64), parent_id, remote, sampled, attributes, start_ns)
 
     def context_text(self, span: SpanRecord) -> str:
         """The propagator carrier, as trailer fields, that makes `span` the parent of the callee's span."""
         if not self._propagates:
             return ""
-        if self._fast_propagation and not span.baggage:
+        if self._fast_propagation and _BAGGAGE_KEY not in _get_current():
             return "traceparent=" + propagation.format_traceparent(span.trace_id, span.span_id, span.sampled)
         ctx = trace.set_span_in_context(NonRecordingSpan(_span_context(span)))
         carrier: dict[str, str] = {}
