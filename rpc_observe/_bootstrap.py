@@ -11,26 +11,27 @@ from __future__ import annotations
 import importlib.abc
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _logger = logging.getLogger("rpc_observe")
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, loader: Any, callback: Callable[[Any], None]):
+    def __init__(self, loader: Any, callback: Callable[[Any], None]) -> None:
         self._loader, self._callback = loader, callback
 
-    def create_module(self, spec):
+    def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
         try:
             self._callback(module)
         except Exception:
-            from . import _health
+            from .telemetry import health
 
-            _health.internal_error("import_hook")
+            health.internal_error("import_hook")
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _logger = logging.getLogger("rpc_observe")
 _applied: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, wrapper)
@@ -21,7 +22,7 @@ def patch(owner: Any, name: str, make_wrapper: Callable[[Any], Any]) -> None:
     if hasattr(current, "__rpc_observe_original__"):
         return
     wrapper = make_wrapper(current)
-    functools.update_wrapper(wrapper, current)
+    functools.update_wrapper(wrapper, current)  # type: ignore[arg-type]
     wrapper.__rpc_observe_original__ = current
     setattr(owner, name, wrapper)
     _applied.append((owner, name, current, wrapper))
@@ -44,6 +45,8 @@ def restore_all() -> None:
         if now is wrapper:
             setattr(owner, name, current)
         else:
-            _logger.warning("rpc_observe: %s.%s was patched again by someone else; leaving it",
-                            getattr(owner, "__name__", owner), name)
-
+            _logger.warning(
+                "rpc_observe: %s.%s was patched again by someone else; leaving it",
+                getattr(owner, "__name__", owner),
+                name,
+            )

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
+from typing import Any
 
 _logger = logging.getLogger("rpc_observe")
 
@@ -99,7 +100,8 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return default
 
 
-def _number(env: Mapping[str, str], name: str, default, low, high, kind=int, scale=1):
+def _number(env: Mapping[str, str], name: str, default: Any, low: float, high: float, kind: type = int,
+            scale: float = 1) -> Any:
     """A number in [low, high]; `scale` converts the variable's unit (ms) to ours (s)."""
     value = env.get(name)
     number = None
@@ -135,7 +137,9 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     exporters = _choices(env, "OTEL_TRACES_EXPORTER", _TRACES_EXPORTERS, ("file",))
     if "none" in exporters:
         exporters = ()
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    )
     if protocol not in _OTLP_PROTOCOLS:
         _warn("OTEL_EXPORTER_OTLP_PROTOCOL", protocol, f"{' or '.join(_OTLP_PROTOCOLS)}; using http/protobuf")
         protocol = "http/protobuf"
@@ -167,7 +171,12 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         otlp_protocol=protocol,
         sampler=sampler,
         sampler_ratio=ratio,
-        propagators=_choices(env, "OTEL_PROPAGATORS", ("tracecontext", "baggage", "b3", "b3multi", "jaeger", "none"), ("tracecontext", "baggage")),
+        propagators=_choices(
+            env,
+            "OTEL_PROPAGATORS",
+            ("tracecontext", "baggage", "b3", "b3multi", "jaeger", "none"),
+            ("tracecontext", "baggage"),
+        ),
         service_name=env.get("OTEL_SERVICE_NAME", ""),
         bsp_schedule_delay_s=_number(env, "OTEL_BSP_SCHEDULE_DELAY", 1000, 1, 3_600_000, scale=1000),
         bsp_max_queue_size=_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 16384, 1, 10_000_000),

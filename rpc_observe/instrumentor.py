@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Any, Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
-from . import _bootstrap, _patching, _runtime, config
+from . import _bootstrap, _patching, config
+from .telemetry import health
+from .telemetry import runtime as _runtime
 
 _logger = logging.getLogger("rpc_observe")
 RPC_MODULE = "torch.distributed.rpc"
@@ -24,39 +27,45 @@ def _patch_rpc(rpc: Any = None) -> None:
     """Wraps the client calls, the pickler, the UDF runner, init_rpc and shutdown of `rpc`."""
     from torch.distributed.rpc import api, internal
 
-    from . import _client, _pickler, _server
+    from .hooks import client, pickler, server
 
     rpc = rpc if rpc is not None else sys.modules[RPC_MODULE]
-    _patching.patch(api, "_invoke_rpc", _client.wrap_invoke_rpc)
-    _patching.patch(api, "remote", _client.wrap_remote)
+    _patching.patch(api, "_invoke_rpc", client.wrap_invoke_rpc)
+    _patching.patch(api, "remote", client.wrap_remote)
     _patching.share(rpc, "remote", api, "remote")
-    _patching.patch(internal, "_run_function", _server.wrap_run_function)
-    _patching.patch(internal._InternalRPCPickler, "serialize", _pickler.wrap_serialize)
-    _patching.patch(internal._InternalRPCPickler, "deserialize", _pickler.wrap_deserialize)
+    _patching.patch(internal, "_run_function", server.wrap_run_function)
+    _patching.patch(internal._InternalRPCPickler, "serialize", pickler.wrap_serialize)
+    _patching.patch(internal._InternalRPCPickler, "deserialize", pickler.wrap_deserialize)
     _patching.patch(rpc, "init_rpc", _wrap_init_rpc)
     _patching.patch(api, "shutdown", _wrap_shutdown)
     _patching.share(rpc, "shutdown", api, "shutdown")
 
 
-def _wrap_init_rpc(original):
-    def init_rpc(name, *args, **kwargs):
+def _start(worker: str, rank: int | None, world_size: int | None = None) -> None:
+    """Starts this process's telemetry, with the hooks' torch-side parts attached."""
+    from . import hooks
+
+    _runtime.start(_Settings.get(), worker, rank, world_size, setup=hooks.attach)
+
+
+def _wrap_init_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
+    def init_rpc(name: Any, *args: Any, **kwargs: Any) -> Any:
         # Telemetry first: torch's init_rpc already makes (and serves) RPCs.
         try:
             rank = kwargs.get("rank", args[1] if len(args) > 1 else -1)
             world_size = kwargs.get("world_size", args[2] if len(args) > 2 else None)
-            _runtime.start(_Settings.get(), str(name), rank if isinstance(rank, int) else None,
-                           world_size if isinstance(world_size, int) else None)
+            _start(
+                str(name), rank if isinstance(rank, int) else None, world_size if isinstance(world_size, int) else None
+            )
         except Exception:
-            from . import _health
-
-            _health.internal_error("init_rpc")
+            health.internal_error("init_rpc")
         return original(name, *args, **kwargs)
 
     return init_rpc
 
 
-def _wrap_shutdown(original):
-    def shutdown(*args, **kwargs):
+def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    def shutdown(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         runtime = _runtime.current  # shutdown makes RPCs too: flush after it returns
         if runtime is not None:
@@ -64,9 +73,7 @@ def _wrap_shutdown(original):
                 runtime.flush()
                 runtime.finish_profile()
             except Exception:
-                from . import _health
-
-                _health.internal_error("shutdown")
+                health.internal_error("shutdown")
         return result
 
     return shutdown
@@ -126,10 +133,12 @@ class RpcObserveInstrumentor:
         if _agent_running():
             from torch.distributed.rpc import api
 
-            _logger.warning("rpc_observe: instrument() was called after init_rpc: client calls are observed, "
-                            "but server-side spans and metrics need instrument() (or RPC_OBSERVE=1) before init_rpc")
+            _logger.warning(
+                "rpc_observe: instrument() was called after init_rpc: client calls are observed, "
+                "but server-side spans and metrics need instrument() (or RPC_OBSERVE=1) before init_rpc"
+            )
             info = api.get_worker_info()
-            _runtime.start(_Settings.get(), info.name, info.id)
+            _start(info.name, info.id)
 
     def _uninstrument(self, **kwargs: Any) -> None:
         _bootstrap.cancel(RPC_MODULE)

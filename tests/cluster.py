@@ -28,8 +28,16 @@ class Cluster:
     With `hold=True`, rank 0 waits after the scenario (endpoints alive) until `release()`.
     """
 
-    def __init__(self, tmp_path: Path, scenario: str, world: int = 3, env: dict | None = None,
-                 rank_env: dict[int, dict] | None = None, hold: bool = False, args: str = ""):
+    def __init__(
+        self,
+        tmp_path: Path,
+        scenario: str,
+        world: int = 3,
+        env: dict | None = None,
+        rank_env: dict[int, dict] | None = None,
+        hold: bool = False,
+        args: str = "",
+    ):
         self.dir = Path(tmp_path)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.out_dir = self.dir / "out"
@@ -37,8 +45,12 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
         self.hold_file = self.dir / "hold"
         self.ready_file = self.dir / "ready"
-        base = clean_env(RPC_OBSERVE_DIR=str(self.out_dir), RPC_OBSERVE_RUN_ID=f"test-{self.dir.name}",
-                         SCENARIO_ARGS=args, PYTHONUNBUFFERED="1")
+        base = clean_env(
+            RPC_OBSERVE_DIR=str(self.out_dir),
+            RPC_OBSERVE_RUN_ID=f"test-{self.dir.name}",
+            SCENARIO_ARGS=args,
+            PYTHONUNBUFFERED="1",
+        )
         base.update(env or {})
         if hold:
             self.hold_file.write_text("hold")
@@ -47,10 +59,23 @@ class Cluster:
         for rank in range(world):
             proc_env = {**base, **((rank_env or {}).get(rank, {}))}
             log = open(self.dir / f"log{rank}.txt", "w")
-            self.procs.append(subprocess.Popen(
-                [sys.executable, str(SCENARIOS), scenario, str(rank), str(world), str(init),
-                 str(self.dir / f"result{rank}.json")],
-                env=proc_env, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(SCENARIOS),
+                        scenario,
+                        str(rank),
+                        str(world),
+                        str(init),
+                        str(self.dir / f"result{rank}.json"),
+                    ],
+                    env=proc_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=self.dir,
+                )
+            )
 
     def log(self, rank: int) -> str:
         return (self.dir / f"log{rank}.txt").read_text(errors="replace")
@@ -65,8 +90,9 @@ class Cluster:
             time.sleep(0.1)
         return json.loads(self.ready_file.read_text())
 
-    def scrape_held(self, timeout: float = 90, killed: tuple[int, ...] = (),
-                    workers: tuple[str, ...] | None = None) -> tuple[dict, dict[str, list]]:
+    def scrape_held(
+        self, timeout: float = 90, killed: tuple[int, ...] = (), workers: tuple[str, ...] | None = None
+    ) -> tuple[dict, dict[str, list]]:
         """Waits for the held scenario, scrapes the workers' endpoints (all by default), then lets them finish.
 
         Returns rank 0's result and {worker: parsed samples}.
@@ -94,7 +120,7 @@ class Cluster:
                 code = proc.wait(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise AssertionError(f"rank {rank} hung:\n" + self.log(rank)[-3000:])
+                raise AssertionError(f"rank {rank} hung:\n" + self.log(rank)[-3000:]) from None
             if rank in killed:
                 assert code == -9, f"rank {rank} exited {code}, expected SIGKILL"
                 results.append(None)
@@ -159,4 +185,4 @@ def samples(text: str) -> list[tuple[str, dict, float]]:
 
 
 def total(parsed: list, name: str, **labels: str) -> float:
-    return sum(v for n, l, v in parsed if n == name and all(l.get(k) == want for k, want in labels.items()))
+    return sum(v for n, lab, v in parsed if n == name and all(lab.get(k) == want for k, want in labels.items()))

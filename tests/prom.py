@@ -38,12 +38,19 @@ class Prometheus:
         config.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
             "scrape_configs:\n  - job_name: rpc_observe\n    scrape_interval: 1s\n"
-            f"    file_sd_configs:\n      - files: ['{targets_glob}']\n        refresh_interval: 1s\n")
+            f"    file_sd_configs:\n      - files: ['{targets_glob}']\n        refresh_interval: 1s\n"
+        )
         self.log = open(workdir / "prometheus.log", "w")
         self.proc = subprocess.Popen(
-            [prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                prometheus_binary(),
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -51,7 +58,9 @@ class Prometheus:
                 break
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise AssertionError("prometheus did not start: " + (workdir / "prometheus.log").read_text()[-2000:])
+                    raise AssertionError(
+                        "prometheus did not start: " + (workdir / "prometheus.log").read_text()[-2000:]
+                    ) from None
                 time.sleep(0.2)
 
     def query(self, promql: str) -> list[dict]:

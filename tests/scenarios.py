@@ -230,9 +230,13 @@ def hostile(world):
         "not_utf8": framed(b"q\x1f\xff\xfe\x1fsync\x1f\x1ftraceparent=\xff"),
         "unknown_kind": framed(b"z\x1fworker0\x1fsync\x1f"),
         "bad_call_id": framed(b"q\x1fworker0\x1fsync\x1f12; rm -rf"),
-        "bad_traceparent": framed("q\x1fworker0\x1fsync\x1f\x1ftraceparent=00-zz-yy-01".encode()),
-        "zero_trace_id": framed(("q\x1fworker0\x1fsync\x1f7\x1ftraceparent=00-" + "0" * 32 + "-" + "1" * 16 + "-01").encode()),
-        "oversized": framed(b"q\x1fworker0\x1fsync\x1f\x1f" + b"\x1f".join(b"k%d=%s" % (i, b"v" * 40) for i in range(40))),
+        "bad_traceparent": framed(b"q\x1fworker0\x1fsync\x1f\x1ftraceparent=00-zz-yy-01"),
+        "zero_trace_id": framed(
+            ("q\x1fworker0\x1fsync\x1f7\x1ftraceparent=00-" + "0" * 32 + "-" + "1" * 16 + "-01").encode()
+        ),
+        "oversized": framed(
+            b"q\x1fworker0\x1fsync\x1f\x1f" + b"\x1f".join(b"k%d=%s" % (i, b"v" * 40) for i in range(40))
+        ),
         "wrong_types": framed(b"q"),
         "magic_only": magic,
     }
@@ -240,8 +244,10 @@ def hostile(world):
     out = {}
     for name, trailer in trailers.items():
         start = time.perf_counter()
-        out[name] = {"value": _raw_request("worker1", add, (t, 1), trailer).tolist(),
-                     "ms": (time.perf_counter() - start) * 1e3}
+        out[name] = {
+            "value": _raw_request("worker1", add, (t, 1), trailer).tolist(),
+            "ms": (time.perf_counter() - start) * 1e3,
+        }
     return out
 
 
@@ -326,7 +332,7 @@ def soak(world):
                 counts[k] += v
 
     rss = []
-    for half in range(2):
+    for _half in range(2):
         threads = [threading.Thread(target=_run, args=(i,)) for i in range(16)]
         for th in threads:
             th.start()
@@ -341,13 +347,22 @@ def _rss_kb():
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
 
 
-SCENARIOS = {"basic": basic, "metrics": metrics, "marker": marker, "latency": latency, "hostile": hostile,
-             "death": death, "custom_pickler": custom_pickler, "rref_in_args": rref_in_args, "soak": soak}
+SCENARIOS = {
+    "basic": basic,
+    "metrics": metrics,
+    "marker": marker,
+    "latency": latency,
+    "hostile": hostile,
+    "death": death,
+    "custom_pickler": custom_pickler,
+    "rref_in_args": rref_in_args,
+    "soak": soak,
+}
 
 
 def _break_telemetry():
     """Fault injection into rpc_observe itself: its metrics and its exporter raise."""
-    from rpc_observe import _runtime
+    from rpc_observe.telemetry import runtime as _runtime
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected telemetry failure")
@@ -369,8 +384,9 @@ def deadline_for(seconds: float) -> float:
 def main() -> None:
     name, rank, world, init_file, result_file = sys.argv[1:6]
     rank, world = int(rank), int(world)
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", num_worker_threads=16,
-                                              _transports=["uv"], _channels=["basic"])
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"file://{init_file}", num_worker_threads=16, _transports=["uv"], _channels=["basic"]
+    )
     profile_dir = os.environ.get("SCENARIO_PROFILE_DIR")
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile_dir else None
     if profiler:

@@ -49,18 +49,29 @@ def self_rpc(tmp):
 
 
 def _python(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out"), **env),
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out"), **env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
 
 
 def test_unset_patches_nothing_and_imports_nothing(tmp_path):
-    code = SNAPSHOT + SELF_RPC + r"""
+    code = (
+        SNAPSHOT
+        + SELF_RPC
+        + r"""
 before = snapshot()
 patched = [n for n, obj in [("_invoke_rpc", api._invoke_rpc), ("_run_function", internal._run_function),
                             ("init_rpc", rpc.init_rpc)] if hasattr(obj, "__rpc_observe_original__")]
 value = self_rpc(sys.argv[1] if len(sys.argv) > 1 else ".")
-print(json.dumps({"patched": patched, "same": before == snapshot(), "loaded": "rpc_observe" in sys.modules, "value": value}))
+print(json.dumps({"patched": patched, "same": before == snapshot(), "loaded": "rpc_observe" in sys.modules,
+                  "value": value}))
 """
+    )
     for value in (None, "0", "false"):
         env = {"RPC_OBSERVE": value} if value is not None else {}
         proc = _python(code, tmp_path, **env)
@@ -71,25 +82,37 @@ print(json.dumps({"patched": patched, "same": before == snapshot(), "loaded": "r
 
 
 def test_set_patches_on_import_of_torch_only(tmp_path):
-    proc = _python("import sys; print('torch' in sys.modules, 'opentelemetry' in sys.modules)", tmp_path, RPC_OBSERVE="1")
+    proc = _python(
+        "import sys; print('torch' in sys.modules, 'opentelemetry' in sys.modules)", tmp_path, RPC_OBSERVE="1"
+    )
     assert proc.stdout.split() == ["False", "False"]  # a process that never imports torch pays nothing
-    proc = _python("import torch; from torch.distributed.rpc import api, internal; "
-                   "print(hasattr(api._invoke_rpc, '__rpc_observe_original__'), "
-                   "hasattr(internal._run_function, '__rpc_observe_original__'), api.rpc_async is torch.distributed.rpc.rpc_async)",
-                   tmp_path, RPC_OBSERVE="1")
+    proc = _python(
+        "import torch; from torch.distributed.rpc import api, internal; "
+        "print(hasattr(api._invoke_rpc, '__rpc_observe_original__'), "
+        "hasattr(internal._run_function, '__rpc_observe_original__'), "
+        "api.rpc_async is torch.distributed.rpc.rpc_async)",
+        tmp_path,
+        RPC_OBSERVE="1",
+    )
     assert proc.stdout.split() == ["True", "True", "True"], proc.stderr
 
 
 def test_unknown_value_warns_once_and_stays_off(tmp_path):
-    proc = _python("import torch.distributed.rpc as rpc; print(hasattr(rpc.init_rpc, '__rpc_observe_original__'))",
-                   tmp_path, RPC_OBSERVE="maybe")
+    proc = _python(
+        "import torch.distributed.rpc as rpc; print(hasattr(rpc.init_rpc, '__rpc_observe_original__'))",
+        tmp_path,
+        RPC_OBSERVE="maybe",
+    )
     assert proc.stdout.strip() == "False"
     assert proc.stderr.count("RPC_OBSERVE='maybe' is not valid") == 1
     assert "0/false/no/off" in proc.stderr
 
 
 def test_uninstrument_restores_every_original_exactly(tmp_path):
-    code = SNAPSHOT + SELF_RPC + r"""
+    code = (
+        SNAPSHOT
+        + SELF_RPC
+        + r"""
 import threading, rpc_observe
 before = snapshot()
 threads = [threading.Thread(target=rpc_observe.instrument) for _ in range(8)]
@@ -102,25 +125,55 @@ after = snapshot()
 changed = sorted(k for k in before if before[k] != during[k])
 print(json.dumps({"changed": changed, "restored": before == after, "value": value}))
 """
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out")),
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["restored"] is True and result["value"] == [2.0, 2.0]
-    assert result["changed"] == sorted([
-        "api._invoke_rpc", "api.remote", "rpc.remote", "internal._run_function", "pickler.serialize",
-        "pickler.deserialize", "rpc.init_rpc", "api.shutdown", "rpc.shutdown", "profile._start_trace",
-        "profile.export_chrome_trace"])  # rpc_sync and rpc_async are never replaced
+    assert result["changed"] == sorted(
+        [
+            "api._invoke_rpc",
+            "api.remote",
+            "rpc.remote",
+            "internal._run_function",
+            "pickler.serialize",
+            "pickler.deserialize",
+            "rpc.init_rpc",
+            "api.shutdown",
+            "rpc.shutdown",
+            "profile._start_trace",
+            "profile.export_chrome_trace",
+        ]
+    )  # rpc_sync and rpc_async are never replaced
     spans = list((tmp_path / "out" / "spans").glob("*.jsonl"))
     assert spans and "rpc_sync#add(worker0 -> worker0)" in spans[0].read_text()
 
 
 def test_instrument_after_init_rpc_warns_and_observes_the_client(tmp_path):
-    code = SNAPSHOT + SELF_RPC.replace('value = rpc.rpc_sync', 'import rpc_observe; rpc_observe.instrument()\n    value = rpc.rpc_sync') + r"""
+    code = (
+        SNAPSHOT
+        + SELF_RPC.replace(
+            "value = rpc.rpc_sync", "import rpc_observe; rpc_observe.instrument()\n    value = rpc.rpc_sync"
+        )
+        + r"""
 print(json.dumps(self_rpc(sys.argv[1])))
 """
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out")),
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "instrument() was called after init_rpc" in proc.stderr
     text = next((tmp_path / "out" / "spans").glob("*.jsonl")).read_text()
@@ -145,8 +198,14 @@ def run(rank, init):
 if __name__ == "__main__":
     mp.spawn(run, args=(sys.argv[1],), nprocs=2)
 """)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "init")], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, env=clean_env(RPC_OBSERVE="1", RPC_OBSERVE_DIR=str(tmp_path / "out")))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "init")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=clean_env(RPC_OBSERVE="1", RPC_OBSERVE_DIR=str(tmp_path / "out")),
+    )
     assert proc.returncode == 0, proc.stderr
     workers = sorted(p.name.split("-")[0] for p in (tmp_path / "out" / "spans").glob("*.jsonl"))
     assert workers == ["worker0", "worker1"]
@@ -170,8 +229,12 @@ def test_opentelemetry_instrument_entry_point():
 
 
 def test_the_wheel_ships_the_startup_hook(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -196,8 +259,13 @@ print(json.dumps(collections.Counter(e.name for e in prof.function_events if e.n
     counts = []
     for value in ("0", "1"):
         (tmp_path / value).mkdir()
-        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / value)], capture_output=True, text=True,
-                              timeout=120, env=clean_env(RPC_OBSERVE=value, RPC_OBSERVE_DIR=str(tmp_path / "out")))
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / value)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=clean_env(RPC_OBSERVE=value, RPC_OBSERVE_DIR=str(tmp_path / "out")),
+        )
         assert proc.returncode == 0, proc.stderr
         counts.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert counts[0]["rpc_sync#add(worker0 -> worker0)"] == 1

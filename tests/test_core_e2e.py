@@ -51,7 +51,7 @@ def test_results_and_exceptions_identical_on_and_off(basic_off, basic_on):
 
 def test_each_python_call_is_a_client_span_joined_to_a_server_span(basic_on):
     spans = basic_on[2]
-    for call, (mode, method, dst) in PY_CALLS.items():
+    for _call, (mode, method, dst) in PY_CALLS.items():
         key = f"rpc_{mode}#{method}(worker0 -> {dst})"
         (client,) = _clients(spans, key)
         assert client["worker"] == "worker0"
@@ -131,7 +131,9 @@ def test_rref_proxy_calls_keep_their_mode(basic_on):
 def test_torch_internal_rpcs_are_labelled_not_hidden(basic_on):
     gathers = [s for s in basic_on[2] if "_gather_to_leader" in s["name"]]
     assert gathers and all(s["attrs"]["torch.rpc.internal"] is True for s in gathers)
-    assert all(s["attrs"]["torch.rpc.internal"] is False for s in _clients(basic_on[2], "rpc_sync#add(worker0 -> worker1)"))
+    assert all(
+        s["attrs"]["torch.rpc.internal"] is False for s in _clients(basic_on[2], "rpc_sync#add(worker0 -> worker1)")
+    )
 
 
 def test_span_files_say_which_worker_and_run(basic_on):
@@ -145,14 +147,18 @@ def test_span_files_say_which_worker_and_run(basic_on):
 
 def test_every_rpc_is_in_both_workers_profiler_traces(basic_on):
     cluster, _, spans = basic_on
-    traces = {w: json.loads((cluster.dir / "prof" / f"{w}.json").read_text()) for w in ("worker0", "worker1", "worker2")}
-    for call, (mode, method, dst) in PY_CALLS.items():
+    traces = {
+        w: json.loads((cluster.dir / "prof" / f"{w}.json").read_text()) for w in ("worker0", "worker1", "worker2")
+    }
+    for _call, (mode, method, dst) in PY_CALLS.items():
         key = f"rpc_{mode}#{method}(worker0 -> {dst})"
         caller_events = [e for e in traces["worker0"]["traceEvents"] if e.get("name") == key and e.get("ph") == "X"]
         assert len(caller_events) == 1, key  # a real record_function on the profiled caller thread
         (client,) = _clients(spans, key)
         (server,) = _children(spans, client)
-        callee_events = [e for e in traces[dst]["traceEvents"] if e.get("name") == key and e.get("cat") == "rpc_observe"]
+        callee_events = [
+            e for e in traces[dst]["traceEvents"] if e.get("name") == key and e.get("cat") == "rpc_observe"
+        ]
         assert [e["args"]["span_id"] for e in callee_events] == [server["spanId"]], key
         assert callee_events[0]["args"]["kind"] == "server"
     assert traces["worker1"]["rpc_observe"]["worker"] == "worker1"
@@ -186,7 +192,9 @@ def test_profile_env_var_writes_per_worker_traces_that_hta_loads(tmp_path):
     assert sorted(traces) == ["worker0", "worker1", "worker2"]
     for rank, worker in enumerate(sorted(traces)):
         assert traces[worker]["distributedInfo"]["rank"] == rank
-        served = [e for e in traces[worker]["traceEvents"] if e.get("cat") == "rpc_observe" and e["args"]["kind"] == "server"]
+        served = [
+            e for e in traces[worker]["traceEvents"] if e.get("cat") == "rpc_observe" and e["args"]["kind"] == "server"
+        ]
         assert served  # callee events are in the worker's own trace
     try:
         from hta.trace_analysis import TraceAnalysis

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from cluster import Cluster, samples, scrape, total
-from prom import free_port
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +41,14 @@ def test_unreachable_collector_costs_no_latency_and_drops_are_counted(tmp_path, 
         if collector == "never_answers":
             blackhole.listen(1000)  # accepts connections, never reads or answers
         port = blackhole.getsockname()[1]  # for "refuses": bound, not listening
-        env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-               "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_BSP_EXPORT_TIMEOUT": "2000",
-               "SCENARIO_CALLS": "300"}
+        env = {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "OTEL_BSP_EXPORT_TIMEOUT": "2000",
+            "SCENARIO_CALLS": "300",
+        }
         cluster, broken, parsed = _latency(tmp_path / "broken", env, until_dropped=collector == "refuses")
     # Within noise of the healthy run (these machines are noisy: a generous bound).
     assert broken["p50_ms"] < 2 * healthy["p50_ms"] + 0.5, (broken, healthy)
@@ -65,7 +69,10 @@ def test_bad_configuration_warns_by_name_and_results_are_unchanged(tmp_path, ref
     assert cluster.wait()[0] == reference
     assert "RPC_OBSERVE_METRICS_PORT='-5' is not valid: accepted a int from 1 to 65535" in cluster.log(0)
     assert "OTEL_TRACES_SAMPLER_ARG='lots' is not valid: accepted a float from 0.0 to 1.0" in cluster.log(0)
-    assert "OTEL_TRACES_EXPORTER='zipkinx' is not valid: accepted a comma-separated list of file, otlp, console, none" in cluster.log(1)
+    assert (
+        "OTEL_TRACES_EXPORTER='zipkinx' is not valid: accepted a comma-separated list of file, otlp, console, none"
+        in cluster.log(1)
+    )
     assert "RPC_OBSERVE_MAX_METHODS='many' is not valid" in cluster.log(1)
     assert "RPC_OBSERVE_DIR='/proc/no/such/dir' is not writable" in cluster.log(2)
     assert "OTEL_BSP_MAX_QUEUE_SIZE='0' is not valid" in cluster.log(2)
@@ -93,7 +100,7 @@ def test_failing_telemetry_is_counted_and_never_reaches_the_call(tmp_path, refer
     result, scraped = cluster.scrape_held()
     parsed = scraped["worker0"]
     assert result == reference
-    errors = {l["where"]: v for n, l, v in parsed if n == "rpc_observe_internal_errors_total"}
+    errors = {lab["where"]: v for n, lab, v in parsed if n == "rpc_observe_internal_errors_total"}
     # Call starts, requests, responses and UDF ends: each hot path's metrics raised, and was counted.
     assert all(errors.get(where, 0) > 0 for where in ("client_start", "serialize", "deserialize", "server_end")), errors
     assert "internal error in serialize" in cluster.log(0)  # said once, with its traceback
@@ -139,13 +146,20 @@ def test_soak_counts_are_exact_and_every_call_has_its_spans(tmp_path):
     calls = sum(counts.values())
     assert calls == 2 * 16 * 60
     w0 = parsed["worker0"]
-    user = lambda name, **l: sum(total(w0, name, method=m, **l) for m in ("add", "fail"))  # noqa: E731
+    user = lambda name, **labels: sum(total(w0, name, method=m, **labels) for m in ("add", "fail"))  # noqa: E731
     assert user("torch_rpc_client_duration_seconds_count") == calls
     assert total(w0, "torch_rpc_client_errors_total", method="fail") == counts["fail"]
-    served = sum(total(parsed[w], "torch_rpc_server_duration_seconds_count", method=m, src="worker0")
-                 for w in ("worker1", "worker2") for m in ("add", "fail"))
+    served = sum(
+        total(parsed[w], "torch_rpc_server_duration_seconds_count", method=m, src="worker0")
+        for w in ("worker1", "worker2")
+        for m in ("add", "fail")
+    )
     assert served == calls
-    spans = [s for s in cluster.spans() if s["attrs"].get("rpc.method") in ("add", "fail") and s["attrs"]["torch.rpc.src"] == "worker0"]
+    spans = [
+        s
+        for s in cluster.spans()
+        if s["attrs"].get("rpc.method") in ("add", "fail") and s["attrs"]["torch.rpc.src"] == "worker0"
+    ]
     clients = [s for s in spans if s["kind"] == 3]
     servers = [s for s in spans if s["kind"] == 2]
     assert len(clients) == calls and len(servers) == calls

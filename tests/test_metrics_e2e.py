@@ -52,8 +52,14 @@ def test_server_counts_equal_the_calls_served(run):
     calls = expected["calls"]
     w1, w2 = scraped["worker1"], scraped["worker2"]
     assert total(w1, "torch_rpc_server_duration_seconds_count", method="add", src="worker0") == calls["add_sync"]
-    assert total(w2, "torch_rpc_server_duration_seconds_count", method="add", src="worker0") == calls["add_async"] + calls["add_remote"]
-    assert total(w1, "torch_rpc_server_errors_total", method="fail", src="worker0", exception="ValueError") == calls["fail"]
+    assert (
+        total(w2, "torch_rpc_server_duration_seconds_count", method="add", src="worker0")
+        == calls["add_async"] + calls["add_remote"]
+    )
+    assert (
+        total(w1, "torch_rpc_server_errors_total", method="fail", src="worker0", exception="ValueError")
+        == calls["fail"]
+    )
     assert total(w1, "torch_rpc_server_duration_seconds_count", method="echo") == calls["threads"] * calls["per_thread"]
 
 
@@ -94,7 +100,9 @@ def test_responses_are_labelled_with_their_method(run):
     _, expected, scraped = run
     calls = expected["calls"]
     resp = {"direction": "deserialize", "message": "response", "method": "add"}
-    assert total(scraped["worker0"], "torch_rpc_serialized_bytes_count", **resp) == calls["add_sync"] + calls["add_async"]
+    assert (
+        total(scraped["worker0"], "torch_rpc_serialized_bytes_count", **resp) == calls["add_sync"] + calls["add_async"]
+    )
     sent = {"direction": "serialize", "message": "response", "method": "add"}
     assert total(scraped["worker1"], "torch_rpc_serialized_bytes_count", **sent) == calls["add_sync"]
 
@@ -106,17 +114,21 @@ def test_every_sample_carries_its_worker(run):
 
 
 def test_agent_saturation_gauges(run):
-    for worker, parsed in run[2].items():
+    for parsed in run[2].values():
         assert total(parsed, "torch_rpc_agent_threads") == 16
         assert 0 <= total(parsed, "torch_rpc_agent_idle_threads") <= 16
-        assert {l["side"] for n, l, _ in parsed if n == "torch_rpc_agent_active_calls"} == {"client", "server", "async"}
+        assert {lab["side"] for n, lab, _ in parsed if n == "torch_rpc_agent_active_calls"} == {
+            "client",
+            "server",
+            "async",
+        }
 
 
 def test_latency_buckets_span_50us_to_60s(run):
-    les = {l["le"] for n, l, _ in run[2]["worker0"] if n == "torch_rpc_client_duration_seconds_bucket"}
+    les = {lab["le"] for n, lab, _ in run[2]["worker0"] if n == "torch_rpc_client_duration_seconds_bucket"}
     assert "5e-05" in les and "60.0" in les and "+Inf" in les
-    sizes = {l["le"] for n, l, _ in run[2]["worker0"] if n == "torch_rpc_serialized_bytes_bucket"}
-    assert "64.0" in sizes and "4294967296.0" in sizes
+    sizes = {lab["le"] for n, lab, _ in run[2]["worker0"] if n == "torch_rpc_serialized_bytes_bucket"}
+    assert "64.0" in sizes and "4.294967296e+09" in sizes  # as prometheus_client writes bounds
 
 
 def test_a_real_prometheus_discovers_and_scrapes_every_worker(run, prometheus):
@@ -126,10 +138,20 @@ def test_a_real_prometheus_discovers_and_scrapes_every_worker(run, prometheus):
     n_add = calls["add_sync"] + calls["add_async"] + calls["add_remote"]
     assert prometheus.wait_for('sum(torch_rpc_client_duration_seconds_count{method="add"})', n_add) == n_add
     assert prometheus.value('sum(torch_rpc_client_errors_total{exception="ValueError"})') == calls["fail"]
-    assert prometheus.value('sum(torch_rpc_serialized_tensors_sum{direction="serialize",message="request",method="view_size_many"})') == 6
+    assert (
+        prometheus.value(
+            'sum(torch_rpc_serialized_tensors_sum{direction="serialize",message="request",method="view_size_many"})'
+        )
+        == 6
+    )
     add_bytes = expected["add_request"][0]
-    assert prometheus.value('sum(torch_rpc_serialized_bytes_sum{direction="serialize",message="request",method="add"})') == n_add * add_bytes
-    p99 = prometheus.value('histogram_quantile(0.99, sum by (le) (torch_rpc_client_duration_seconds_bucket{method="echo"}))')
+    assert (
+        prometheus.value('sum(torch_rpc_serialized_bytes_sum{direction="serialize",message="request",method="add"})')
+        == n_add * add_bytes
+    )
+    p99 = prometheus.value(
+        'histogram_quantile(0.99, sum by (le) (torch_rpc_client_duration_seconds_bucket{method="echo"}))'
+    )
     assert p99 is not None and 0 < p99 < 60
     idle = prometheus.query("torch_rpc_agent_idle_threads")
     assert sorted(r["metric"]["worker"] for r in idle) == ["worker0", "worker1", "worker2"]
@@ -138,7 +160,7 @@ def test_a_real_prometheus_discovers_and_scrapes_every_worker(run, prometheus):
 def test_method_names_are_capped(tmp_path):
     cluster = Cluster(tmp_path, "metrics", env={"RPC_OBSERVE": "1", "RPC_OBSERVE_MAX_METHODS": "3"}, hold=True)
     parsed = cluster.scrape_held()[1]["worker0"]
-    methods = {l["method"] for n, l, _ in parsed if n == HIST}
+    methods = {lab["method"] for n, lab, _ in parsed if n == HIST}
     assert "other" in methods and len(methods - {"other"}) <= 3
 
 

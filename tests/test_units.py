@@ -8,29 +8,40 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from rpc_observe import config, propagation
-from rpc_observe._pickler import tensor_sizes
-from rpc_observe.metrics import Metrics, fold_finished, fold_started
+from rpc_observe import config
+from rpc_observe.hooks import trailer
+from rpc_observe.hooks.pickler import tensor_sizes
+from rpc_observe.telemetry import propagation
+from rpc_observe.telemetry.metrics import Metrics, fold_finished, fold_started
+
 from cluster import samples, total
 
 
 def test_trailer_round_trip_and_plain_pickles():
     carrier = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
-    head = propagation.request_head("worker0", "sync")
-    trailer = propagation.request_trailer(head, 42, propagation.carrier_text(carrier))
-    size, fields = propagation.split(b"PICKLE." + trailer)
+    head = trailer.request_head("worker0", "sync")
+    tail = trailer.request_trailer(head, 42, propagation.carrier_text(carrier))
+    size, fields = trailer.split(b"PICKLE." + tail)
     assert size == 7 and fields[:4] == ["q", "worker0", "sync", "42"]
-    assert propagation.carrier_of(fields) == carrier
-    size, fields = propagation.split(b"PICKLE." + propagation.request_trailer(head))
-    assert fields == ["q", "worker0", "sync", ""] and propagation.carrier_of(fields) == {}
-    assert propagation.split(b"PICKLE.") == (7, None)
-    size, fields = propagation.split(b"PICKLE." + propagation.response_trailer("42"))
+    assert propagation.carrier_of(fields[trailer.CONTEXT :]) == carrier
+    size, fields = trailer.split(b"PICKLE." + trailer.request_trailer(head))
+    assert fields == ["q", "worker0", "sync", ""] and propagation.carrier_of(fields[trailer.CONTEXT :]) == {}
+    assert trailer.split(b"PICKLE.") == (7, None)
+    size, fields = trailer.split(b"PICKLE." + trailer.response_trailer("42"))
     assert (size, fields) == (7, ["r", "42"])
 
 
-@pytest.mark.parametrize("value", ["00-" + "a" * 32 + "-" + "b" * 16, "00-" + "0" * 32 + "-" + "b" * 16 + "-01",
-                                   "ff-" + "a" * 32 + "-" + "b" * 16 + "-01", "00-" + "A" * 32 + "-" + "b" * 16 + "-01",
-                                   "x" * 55, "00-" + "a" * 32 + "-" + "0" * 16 + "-01"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "00-" + "a" * 32 + "-" + "b" * 16,
+        "00-" + "0" * 32 + "-" + "b" * 16 + "-01",
+        "ff-" + "a" * 32 + "-" + "b" * 16 + "-01",
+        "00-" + "A" * 32 + "-" + "b" * 16 + "-01",
+        "x" * 55,
+        "00-" + "a" * 32 + "-" + "0" * 16 + "-01",
+    ],
+)
 def test_invalid_traceparents_are_rejected(value):
     assert propagation.parse_traceparent(value) is None
 
@@ -43,9 +54,17 @@ def test_traceparent_round_trip():
 def test_config_defaults_and_bad_values(caplog):
     caplog.set_level(logging.WARNING, logger="rpc_observe")
     default = config.load({})
-    assert default.traces_exporters == ("file",) and default.metrics_port is None and default.bsp_schedule_delay_s == 1.0
-    cfg = config.load({"OTEL_TRACES_EXPORTER": "none", "OTEL_BSP_EXPORT_TIMEOUT": "2500", "RPC_OBSERVE_METRICS_PORT": "70000",
-                       "OTEL_TRACES_SAMPLER": "sometimes"})
+    assert (
+        default.traces_exporters == ("file",) and default.metrics_port is None and default.bsp_schedule_delay_s == 1.0
+    )
+    cfg = config.load(
+        {
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_BSP_EXPORT_TIMEOUT": "2500",
+            "RPC_OBSERVE_METRICS_PORT": "70000",
+            "OTEL_TRACES_SAMPLER": "sometimes",
+        }
+    )
     assert cfg.traces_exporters == () and not cfg.tracing and cfg.bsp_export_timeout_s == 2.5
     assert cfg.metrics_port is None and cfg.sampler == "parentbased_always_on"
     assert "RPC_OBSERVE_METRICS_PORT='70000' is not valid" in caplog.text
@@ -69,14 +88,14 @@ def test_metric_families_are_cumulative_and_labelled():
     assert total(parsed, hist + "_bucket", method="f", le="0.001") == 1
     assert total(parsed, hist + "_bucket", method="f", le="5.0") == 2
     assert total(parsed, hist + "_sum", method="f") == pytest.approx(3.0007)
-    assert {l["method"] for n, l, _ in parsed if n == hist + "_count"} == {"f", "g", "other"}  # capped at 2
+    assert {lab["method"] for n, lab, _ in parsed if n == hist + "_count"} == {"f", "g", "other"}  # capped at 2
     assert total(parsed, "torch_rpc_client_in_flight") == 0
 
 
 def test_tensor_sizes_follow_torchs_clone_rule():
     big = torch.zeros(1 << 20)  # 4 MiB
     assert tensor_sizes([big[:10]]) == (40, 40)  # a small view of a big storage is cloned
-    assert tensor_sizes([big[: 600_000]]) == (2_400_000, 4 << 20)  # a big view sends the whole storage
+    assert tensor_sizes([big[:600_000]]) == (2_400_000, 4 << 20)  # a big view sends the whole storage
     small = torch.zeros(100)  # under 8 KiB: sent whole
     assert tensor_sizes([small[:10]]) == (40, 400)
     assert tensor_sizes([]) == (0, 0)

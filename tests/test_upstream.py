@@ -41,9 +41,21 @@ def test_torch_rpc_suite_passes_with_the_addon(tmp_path: Path) -> None:
         pytest.fail("torch's RPC test suite needs the package expecttest (pip install expecttest)")
 
     proc = subprocess.Popen(
-        [sys.executable, str(RUNNER), "--addon", "both", "--junit", str(tmp_path), "--quiet",
-         "--timeout", str(RUN_TIMEOUT_S)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            str(RUNNER),
+            "--addon",
+            "both",
+            "--junit",
+            str(tmp_path),
+            "--quiet",
+            "--timeout",
+            str(RUN_TIMEOUT_S),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         output, _ = proc.communicate(timeout=TOTAL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -58,18 +70,23 @@ def test_torch_rpc_suite_passes_with_the_addon(tmp_path: Path) -> None:
 
     assert not summary["regressions"], (
         f"tests of torch's RPC suite that pass without the add-on fail with it {details}:\n"
-        + _describe(summary["regressions"]))
+        + _describe(summary["regressions"])
+    )
     assert not summary["problems"], "\n".join(summary["problems"][:10]) + f"\n{details}"
 
     off, on = summary["runs"]["off"], summary["runs"]["on"]
     compared = summary["compared"]
     assert compared >= MIN_COMPARED, f"only {compared} tests ran in both modes in the time budget {details}"
     if summary["not_run_time_budget"]:
-        warnings.warn(f"run_upstream.py: {len(summary['not_run_time_budget'])} curated tests not run "
-                      f"(slow machine: time budget used up); {compared} compared")
+        warnings.warn(
+            f"run_upstream.py: {len(summary['not_run_time_budget'])} curated tests not run "
+            f"(slow machine: time budget used up); {compared} compared",
+            stacklevel=2,
+        )
     assert off["counts"]["passed"] >= 0.8 * compared, (
         f"only {off['counts']['passed']} of {compared} curated tests passed even without the add-on "
-        f"{details}:\n" + _describe(summary["not_ours"]))
+        f"{details}:\n" + _describe(summary["not_ours"])
+    )
     # The add-on was active in the ranks (span files matched to their pids), and only when on.
     assert on["telemetry"]["span_files"] > 0 and on["telemetry"]["spans"] > 0
     assert on["telemetry"]["passed_spawn_tests"] >= 1, "no test with torch's spawned ranks passed with the add-on"

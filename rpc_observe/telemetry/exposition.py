@@ -8,7 +8,7 @@ import os
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from .config import RPC_OBSERVE_METRICS_PORT, Config
+from ..config import RPC_OBSERVE_METRICS_PORT, Config
 
 _logger = logging.getLogger("rpc_observe")
 
@@ -27,17 +27,26 @@ def serve(registry: CollectorRegistry, config: Config, rank: int | None) -> tupl
     if config.metrics_port is not None:
         port = config.metrics_port + local_rank(rank)
         if port > 65535:
-            _logger.warning("rpc_observe: %s=%d plus local rank %d is above 65535; using a free port",
-                            RPC_OBSERVE_METRICS_PORT, config.metrics_port, local_rank(rank))
+            _logger.warning(
+                "rpc_observe: %s=%d plus local rank %d is above 65535; using a free port",
+                RPC_OBSERVE_METRICS_PORT,
+                config.metrics_port,
+                local_rank(rank),
+            )
             port = 0
     try:
         server, _ = start_http_server(port, addr=config.metrics_addr, registry=registry)
     except OSError as e:
         if port == 0:
             raise
-        _logger.warning("rpc_observe: metrics port %d (%s=%d + local rank) is not available (%s); "
-                        "using a free port instead, see the file_sd target for which",
-                        port, RPC_OBSERVE_METRICS_PORT, config.metrics_port, e.strerror or e)
+        _logger.warning(
+            "rpc_observe: metrics port %d (%s=%d + local rank) is not available (%s); "
+            "using a free port instead, see the file_sd target for which",
+            port,
+            RPC_OBSERVE_METRICS_PORT,
+            config.metrics_port,
+            e.strerror or e,
+        )
         server, _ = start_http_server(0, addr=config.metrics_addr, registry=registry)
     return server, server.server_address[1]
 
@@ -45,10 +54,14 @@ def serve(registry: CollectorRegistry, config: Config, rank: int | None) -> tupl
 def write_target(targets_dir: str, worker: str, addr: str, port: int, run_id: str) -> str:
     """Writes `<targets_dir>/<worker>.json` in Prometheus file_sd format, atomically."""
     host = "127.0.0.1" if addr in ("", "0.0.0.0") else ("[::1]" if addr == "::" else addr)
-    target = [{"targets": [f"{host}:{port}"],
-               # No `worker` label here: every sample already carries it, and a target label of
-               # the same name would make Prometheus rename the sample's to `exported_worker`.
-               "labels": {"job": "rpc_observe", "rpc_observe_run_id": run_id}}]
+    target = [
+        {
+            "targets": [f"{host}:{port}"],
+            # No `worker` label here: every sample already carries it, and a target label of
+            # the same name would make Prometheus rename the sample's to `exported_worker`.
+            "labels": {"job": "rpc_observe", "rpc_observe_run_id": run_id},
+        }
+    ]
     path = os.path.join(targets_dir, f"{worker}.json")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:

@@ -11,48 +11,58 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from . import _client, _health, _runtime
-from .metrics import fold_served
+from torch.distributed.rpc.internal import RemoteException
+
+from ..telemetry import health
+from ..telemetry import runtime as _runtime
+from ..telemetry.metrics import fold_served
+from . import trailer
+from .calls import future_error, pending_replies, remote_error
+from .naming import is_internal, method_name, profiling_key, span_attributes
+
+if TYPE_CHECKING:
+    from ..telemetry.runtime import Runtime
 
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
 _thread_id = threading.get_ident
 UNKNOWN = "unknown"
-_RemoteException = _client.RemoteException
-# The site and caller's call id of the UDF whose response is pickled next on a thread, by
-# thread id: torch's pool threads get a fresh Python thread state (and empty
-# threading.local) every time they take the GIL, between running a UDF and pickling its response.
-pending_replies: dict[int, tuple] = {}
+_MAX_SITES = 10_000
+_SRC, _MODE, _CALL_ID, _CONTEXT = trailer.SRC, trailer.MODE, trailer.CALL_ID, trailer.CONTEXT
 
 
 class ServerSite:
+    """What every run of one function for one caller and mode shares: names, attributes, metric cells."""
+
     __slots__ = ("key", "span_name", "method", "src", "attributes", "record", "duration", "response_cells",
                  "is_async", "replies")
 
-    def __init__(self, runtime, func, src: str, mode: str):
-        self.method = _client.method_name(func) if func is not None else UNKNOWN
+    def __init__(self, runtime: Runtime, func: Any, src: str, mode: str) -> None:
+        self.method = method_name(func) if func is not None else UNKNOWN
         self.src = src
         self.is_async = hasattr(func, "_wrapped_async_rpc_function")
         self.replies = mode != "remote" and not self.is_async  # a response is pickled on this thread
-        self.key = _client.profiling_key(mode, self.method, src, runtime.worker)
+        self.key = profiling_key(mode, self.method, src, runtime.worker)
         self.span_name = self.key if runtime.config.span_names == "key" else self.method
-        self.attributes = {
-            "rpc.system": "torch_rpc", "rpc.system.name": "torch_rpc", "rpc.method": self.method,
-            "torch.rpc.src": src, "torch.rpc.dst": runtime.worker, "torch.rpc.exec_mode": mode,
-            "torch.rpc.profiling_key": self.key, "torch.rpc.internal": _client.is_internal(func),
-        }
+        self.attributes = span_attributes(self.method, src, runtime.worker, mode, self.key, is_internal(func))
         metrics = runtime.metrics
         self.record = metrics.record if metrics else None
         self.duration = metrics.server_cell(self.method, src) if metrics else None
         self.response_cells = metrics.message_cells("serialize", "response", self.method) if metrics else None
 
 
-def _site(runtime, key: tuple) -> ServerSite:
+def _site(runtime: Runtime, key: tuple[Any, str, str]) -> ServerSite:
     sites = runtime.server_sites
-    if len(sites) > 10_000:
-        sites.clear()
-    site = sites[key] = ServerSite(runtime, *key)
+    site = ServerSite(runtime, *key)
+    try:
+        if len(sites) > _MAX_SITES:
+            sites.clear()
+        sites[key] = site
+    except TypeError:  # an unhashable func: not cached
+        pass
     return site
 
 
@@ -61,10 +71,11 @@ class Serving:
 
     __slots__ = ("runtime", "site", "start_ns", "span", "tid")
 
-    def __init__(self, runtime, site: ServerSite, start_ns: int, span, tid: int):
+    def __init__(self, runtime: Runtime, site: ServerSite, start_ns: int, span: Any, tid: int) -> None:
         self.runtime, self.site, self.start_ns, self.span, self.tid = runtime, site, start_ns, span, tid
 
     def finish(self, error_type: str | None, message: str | None) -> None:
+        """The reference ending of a UDF run; `_run_function` inlines its plain, successful form."""
         end_ns = _time_ns()
         runtime, site = self.runtime, self.site
         if site.record is not None:
@@ -77,39 +88,43 @@ class Serving:
         if profiler is not None and profiler.armed:
             profiler.record(site.key, "server", self.start_ns, end_ns, self.tid, self.span)
 
-    def on_done(self, future) -> None:
-        error = _client.future_error(future)
+    def on_done(self, future: Any) -> None:
+        error = future_error(future)
         try:
             self.finish(type(error).__name__ if error is not None else None,
                         str(error) if error is not None else None)
         except Exception:
-            _health.internal_error("server_done")
+            health.internal_error("server_done")
 
 
-def wrap_run_function(original):
+def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Wraps `internal._run_function(python_udf)`."""
 
-    def _run_function(python_udf):
+    def _run_function(python_udf: Any) -> Any:
         runtime = _runtime.current
         if runtime is None:
             return original(python_udf)
         # Inline on purpose: this runs on the agent's pool threads, where each function
-        # touched costs microseconds of cache misses (see `_pickler.wrap_deserialize`).
+        # touched costs microseconds of cache misses (see `pickler.wrap_deserialize`).
         try:
-            fields = getattr(python_udf, "rpc_observe_fields", None)
+            fields = getattr(python_udf, "rpc_observe_fields", None)  # the caller's trailer, set by the pickler
             func = getattr(python_udf, "func", None)  # None: the UDF could not be unpickled
-            key = (func, fields[1], fields[2]) if fields is not None else (func, UNKNOWN, UNKNOWN)
-            site = runtime.server_sites.get(key) or _site(runtime, key)
+            key = (func, fields[_SRC], fields[_MODE]) if fields is not None else (func, UNKNOWN, UNKNOWN)
+            try:
+                site = runtime.server_sites.get(key) or _site(runtime, key)
+            except TypeError:  # an unhashable func
+                site = _site(runtime, key)
             start_ns = _time_ns()
             tracer = runtime.tracer
             span = token = None
             if tracer is not None:
-                span = tracer.start_server(site.span_name, site.attributes, fields, start_ns)
+                context = fields[_CONTEXT:] if fields is not None else None
+                span = tracer.start_server(site.span_name, site.attributes, context, start_ns)
                 token = tracer.attach(span)
             profiler = runtime.profiler
             tid = _native_id() if profiler is not None and profiler.armed else 0
         except Exception:
-            _health.internal_error("server_start")
+            health.internal_error("server_start")
             return original(python_udf)
         try:
             result = original(python_udf)
@@ -118,24 +133,24 @@ def wrap_run_function(original):
                 try:
                     tracer.detach(token)
                 except Exception:
-                    _health.internal_error("server_detach")
+                    health.internal_error("server_detach")
         try:
             if site.is_async and hasattr(result, "add_done_callback"):
                 result.add_done_callback(Serving(runtime, site, start_ns, span, tid).on_done)
                 return result
-            if type(result) is _RemoteException or tid:
-                error = _client.remote_error(result)
+            if type(result) is RemoteException or tid:
+                error = remote_error(result)
                 Serving(runtime, site, start_ns, span, tid).finish(*(error or (None, None)))
-            else:
+            else:  # Serving.finish, inline, for a plain successful run
                 end_ns = _time_ns()
                 if site.record is not None:
                     site.record((fold_served, site.duration, (end_ns - start_ns) / 1e9))
                 if span is not None:
                     tracer.end(span, end_ns)
             if site.replies:
-                pending_replies[_thread_id()] = (site, fields[3] if fields is not None else "")
+                pending_replies[_thread_id()] = (site, fields[_CALL_ID] if fields is not None else "")
         except Exception:
-            _health.internal_error("server_end")
+            health.internal_error("server_end")
         return result
 
     return _run_function

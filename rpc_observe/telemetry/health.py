@@ -23,7 +23,11 @@ def internal_error(where: str) -> None:
         first = where not in internal_errors
         internal_errors[where] = internal_errors.get(where, 0) + 1
     if first:
-        _logger.warning("rpc_observe: internal error in %s (counted in rpc_observe_internal_errors_total; the RPC is unaffected)", where, exc_info=True)
+        _logger.warning(
+            "rpc_observe: internal error in %s (counted in rpc_observe_internal_errors_total; the RPC is unaffected)",
+            where,
+            exc_info=True,
+        )
 
 
 def spans_lost(count: int) -> None:

@@ -11,21 +11,32 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from . import _client, _health, _runtime, _server, propagation
-from .metrics import fold_finished, fold_message
+from torch.distributed.rpc.internal import PythonUDF, RemoteException
+
+from ..telemetry import health
+from ..telemetry import runtime as _runtime
+from ..telemetry.metrics import MessageCells, fold_finished, fold_message
+from . import calls, trailer
+from .naming import method_name
+
+if TYPE_CHECKING:
+    from ..telemetry.runtime import Runtime
 
 _perf_counter = time.perf_counter
 _time_ns = time.time_ns
 _tuple_new = tuple.__new__
-_MAGIC = propagation.MAGIC
-_local = _client.local
-_in_flight = _client.in_flight
-_next_id = _client.next_id
-_pending_replies = _server.pending_replies
-_RemoteException = _client.RemoteException
 _thread_id = threading.get_ident
+_local, _in_flight, _next_id, _pending_replies = calls.local, calls.in_flight, calls.next_id, calls.pending_replies
+# The trailer layout, bound as module constants for the inline fast paths below.
+_MAGIC, _MAGIC_SIZE, _OVERHEAD = trailer.MAGIC, trailer.MAGIC_SIZE, trailer.OVERHEAD
+_REQUEST_PREFIX, _RESPONSE_PREFIX = trailer.REQUEST_PREFIX, trailer.RESPONSE_PREFIX
+_PREFIX_SIZE = len(_REQUEST_PREFIX)
+_CALL_ID, _MAX_CALL_ID_DIGITS, _SEP = trailer.CALL_ID, trailer.MAX_CALL_ID_DIGITS, trailer.SEP
 _UNKNOWN = "unknown"
+_MAX_CACHED = 10_000
 # torch clones a tensor before sending it when it is a small view of a big storage
 # (torch/csrc/distributed/rpc/utils.cpp, cloneSparseTensors): then only its own
 # bytes travel, otherwise the whole storage does.
@@ -33,7 +44,7 @@ _MIN_RECOPY_BYTES = 8 * 1024
 _MIN_MULTIPLE = 2
 
 
-def tensor_sizes(tensors) -> tuple[int, int]:
+def tensor_sizes(tensors: list[Any]) -> tuple[int, int]:
     """(logical bytes, storage bytes that travel) of a tensor table."""
     logical = traveling = 0
     for t in tensors:
@@ -48,18 +59,18 @@ def tensor_sizes(tensors) -> tuple[int, int]:
     return logical, traveling
 
 
-def _on_other_message(runtime, obj, data: bytes, tensors, seconds: float):
+def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any], seconds: float) -> Any:
     """Requests, and responses that are not echoed (or whose trailer is malformed)."""
-    size, fields = propagation.split(data)
+    size, fields = trailer.split(data)
     record = runtime.metrics.record if runtime.metrics is not None else None
-    if fields is not None and fields[0] == "r":  # not in flight (any more), or a hostile id
+    if fields is not None and fields[trailer.KIND] == trailer.RESPONSE:  # not in flight (any more), or a hostile id
         if record is not None:
             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
             record((fold_message, _unknown_cells(runtime, "deserialize", "response"), size, len(tensors), logical,
                     traveling, seconds, None, 0))
         return obj
-    request = type(obj) is _PythonUDF
-    if fields is not None and fields[0] == "q" and (request or isinstance(obj, AttributeError)):
+    request = type(obj) is PythonUDF
+    if fields is not None and fields[trailer.KIND] == trailer.REQUEST and (request or isinstance(obj, AttributeError)):
         if request:
             obj = _tuple_new(_IncomingUDF, obj)
         obj.rpc_observe_fields = fields  # for the wrapped _run_function
@@ -73,10 +84,10 @@ def _on_other_message(runtime, obj, data: bytes, tensors, seconds: float):
     return obj
 
 
-def _request_cells(runtime, func) -> tuple:
-    cells = runtime.metrics.message_cells("deserialize", "request", _client.method_name(func))
+def _request_cells(runtime: Runtime, func: Any) -> MessageCells:
+    cells = runtime.metrics.message_cells("deserialize", "request", method_name(func))
     try:
-        if len(runtime.request_cells) > 10_000:
+        if len(runtime.request_cells) > _MAX_CACHED:
             runtime.request_cells.clear()
         runtime.request_cells[func] = cells
     except TypeError:  # an unhashable callable
@@ -84,7 +95,7 @@ def _request_cells(runtime, func) -> tuple:
     return cells
 
 
-def _unknown_cells(runtime, direction: str, message: str) -> tuple | None:
+def _unknown_cells(runtime: Runtime, direction: str, message: str) -> MessageCells | None:
     """Cells of messages that cannot be told apart: a response without an echo, an unpicklable request."""
     if runtime.metrics is None:
         return None
@@ -95,24 +106,16 @@ def _unknown_cells(runtime, direction: str, message: str) -> tuple | None:
     return cells
 
 
-_PythonUDF = _IncomingUDF = None  # set when torch.distributed.rpc is patched
+class _IncomingUDF(PythonUDF):
+    """A PythonUDF that also carries the caller's trailer fields to `_run_function`."""
+
+    rpc_observe_fields: list[str]
 
 
-def _bind_torch_types() -> None:
-    global _PythonUDF, _IncomingUDF
-    if _PythonUDF is None:
-        from torch.distributed.rpc.internal import PythonUDF
+def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps `_InternalRPCPickler.serialize(obj)`: counts the message, appends the trailer."""
 
-        class _IncomingUDF(PythonUDF):
-            """A PythonUDF that also carries the caller's trailer fields to `_run_function`."""
-
-        _PythonUDF, _IncomingUDF = PythonUDF, _IncomingUDF
-
-
-def wrap_serialize(original):
-    _bind_torch_types()
-
-    def serialize(self, obj):
+    def serialize(self: Any, obj: Any) -> Any:
         runtime = _runtime.current
         if runtime is None:
             return original(self, obj)
@@ -121,44 +124,45 @@ def wrap_serialize(original):
         seconds = _perf_counter() - start
         # Inline on purpose, like `deserialize`: see there.
         try:
-            call = getattr(_local, "call", None) if type(obj) is _PythonUDF else None
+            call = getattr(_local, "call", None) if type(obj) is PythonUDF else None
             if call is not None:  # a request
                 site = call.site
-                if site.echoed:
-                    call.id = _next_id()
-                    _in_flight[call.id] = call
                 context = runtime.tracer.context_text(call.span) if call.span is not None else ""
-                trailer = propagation.request_trailer(site.trailer_head, call.id, context)
+                call_id = _next_id() if site.echoed else 0
+                tail = trailer.request_trailer(site.trailer_head, call_id, context)
                 record = site.record
                 if record is not None:
                     logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
                     record((fold_message, site.request_cells, len(data), len(tensors), logical, traveling, seconds,
-                            site.cells[3], len(data) + len(trailer) + traveling))
-                return data + trailer, tensors
+                            site.cells.sent_bytes, len(data) + len(tail) + traveling))
+                if call_id:  # in the table only once nothing of ours can fail before the request leaves
+                    call.id = call_id
+                    _in_flight[call_id] = call
+                return data + tail, tensors
             reply = _pending_replies.pop(_thread_id(), None)
             if reply is not None:  # the response of a UDF this thread just ran
-                site, call_id = reply
+                site, echo = reply
                 record = site.record
-                trailer = propagation.response_trailer(call_id) if call_id else b""
+                tail = trailer.response_trailer(echo) if echo else b""
             else:
                 record = runtime.metrics.record if runtime.metrics is not None else None
-                trailer = b""
+                tail = b""
             if record is not None:
                 cells = site.response_cells if reply is not None else _unknown_cells(runtime, "serialize", "response")
                 logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
                 record((fold_message, cells, len(data), len(tensors), logical, traveling, seconds, None, 0))
-            return (data + trailer if trailer else data), tensors
+            return (data + tail if tail else data), tensors
         except Exception:
-            _health.internal_error("serialize")
+            health.internal_error("serialize")
         return data, tensors
 
     return serialize
 
 
-def wrap_deserialize(original):
-    _bind_torch_types()
+def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps `_InternalRPCPickler.deserialize(data, tensors)`: counts the message, reads the trailer."""
 
-    def deserialize(self, binary_data, tensor_table):
+    def deserialize(self: Any, binary_data: bytes, tensor_table: list[Any]) -> Any:
         runtime = _runtime.current
         if runtime is None:
             return original(self, binary_data, tensor_table)
@@ -171,44 +175,46 @@ def wrap_deserialize(original):
         # trailer and the echoed response to one of our calls (ended here), take no call of ours.
         try:
             data, tensors = binary_data, tensor_table
-            if data[-8:] == _MAGIC and len(data) > 10 and data[-9] == 0:
-                size = data[-10]
-                payload = data[-10 - size:-10]
-                if payload[:2] == b"r\x1f" and payload[2:].isdigit():
-                    call = _in_flight.pop(int(payload[2:]), None)
+            # `trailer.split`'s layout, read inline for payloads under 256 bytes (the length's high byte is 0).
+            if data[-_MAGIC_SIZE:] == _MAGIC and len(data) > _OVERHEAD and data[-_MAGIC_SIZE - 1] == 0:
+                size = data[-_OVERHEAD]
+                payload = data[-_OVERHEAD - size:-_OVERHEAD]
+                if payload[:_PREFIX_SIZE] == _RESPONSE_PREFIX and payload[_PREFIX_SIZE:].isdigit():
+                    call = _in_flight.pop(int(payload[_PREFIX_SIZE:]), None)
                     if call is not None:
                         site = call.site
                         end_ns = _time_ns()
                         record = site.record
                         if record is not None:
                             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-                            record((fold_message, site.response_cells, len(data) - size - 10, len(tensors), logical,
-                                    traveling, seconds, None, 0))
-                        if type(obj) is _RemoteException or call.rf is not None or (
+                            record((fold_message, site.response_cells, len(data) - size - _OVERHEAD, len(tensors),
+                                    logical, traveling, seconds, None, 0))
+                        if type(obj) is RemoteException or call.rf is not None or (
                                 runtime.profiler is not None and runtime.profiler.armed):
-                            call.finish(end_ns, _client.remote_error(obj))
+                            call.finish(end_ns, calls.remote_error(obj))
                             return obj
+                        # Call.finish, inline, for a successful call no profiler has seen.
                         if record is not None:
                             record((fold_finished, site.cells, (end_ns - call.start_ns) / 1e9))
                         if call.span is not None:
                             runtime.tracer.end(call.span, end_ns)
                         return obj
-                elif payload[:2] == b"q\x1f" and type(obj) is _PythonUDF and payload.isascii():
-                    # A request: the same checks as `propagation.split`, which handles the rest.
-                    fields = payload.decode("ascii").split("\x1f")
-                    call_id = fields[3] if len(fields) >= 4 else "x"
-                    if not call_id or (len(call_id) <= 20 and call_id.isdigit()):
+                elif payload[:_PREFIX_SIZE] == _REQUEST_PREFIX and type(obj) is PythonUDF and payload.isascii():
+                    # A request: `trailer.split`'s checks, inline; anything they do not accept goes through it.
+                    fields = payload.decode("ascii").split(_SEP)
+                    call_id = fields[_CALL_ID] if len(fields) > _CALL_ID else "x"
+                    if not call_id or (len(call_id) <= _MAX_CALL_ID_DIGITS and call_id.isdigit()):
                         obj = _tuple_new(_IncomingUDF, obj)
                         obj.rpc_observe_fields = fields  # for the wrapped _run_function
                         if runtime.metrics is not None:
                             cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func)
                             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-                            runtime.metrics.record((fold_message, cells, len(data) - size - 10, len(tensors), logical,
-                                                    traveling, seconds, None, 0))
+                            runtime.metrics.record((fold_message, cells, len(data) - size - _OVERHEAD, len(tensors),
+                                                    logical, traveling, seconds, None, 0))
                         return obj
             return _on_other_message(runtime, obj, data, tensors, seconds)
         except Exception:
-            _health.internal_error("deserialize")
+            health.internal_error("deserialize")
             return obj
 
     return deserialize

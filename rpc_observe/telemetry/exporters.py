@@ -11,10 +11,11 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from . import __version__
-from .config import Config
+from .. import __version__
+from ..config import Config
 from .tracing import SERVER, SpanRecord
 
 _logger = logging.getLogger("rpc_observe")
@@ -55,7 +56,10 @@ class OtlpJsonFileSink:
             if len(self._site_json) > 10_000:
                 self._site_json.clear()
             text = ',"name":%s,"kind":%d,"attributes":%s' % (
-                json.dumps(record.name), record.kind, json.dumps(otlp_attributes(record.attributes), separators=(",", ":")))
+                json.dumps(record.name),
+                record.kind,
+                json.dumps(otlp_attributes(record.attributes), separators=(",", ":")),
+            )
             cached = self._site_json[key] = (record.attributes, text)
         return cached[1]
 
@@ -63,8 +67,10 @@ class OtlpJsonFileSink:
         if r.error_type is not None:
             return json.dumps(self._span(r), separators=(",", ":"))
         parent = ',"parentSpanId":"%016x"' % r.parent_id if r.parent_id else ""
-        return '{"traceId":"%032x","spanId":"%016x"%s,"startTimeUnixNano":"%d","endTimeUnixNano":"%d"%s,"status":{"code":0}}' % (
-            r.trace_id, r.span_id, parent, r.start_ns, r.end_ns, self._site(r))
+        return (
+            '{"traceId":"%032x","spanId":"%016x"%s,"startTimeUnixNano":"%d","endTimeUnixNano":"%d"%s,"status":{"code":0}}'
+            % (r.trace_id, r.span_id, parent, r.start_ns, r.end_ns, self._site(r))
+        )
 
     def _span(self, record: SpanRecord) -> dict:
         span = {
@@ -80,14 +86,19 @@ class OtlpJsonFileSink:
         if record.parent_id:
             span["parentSpanId"] = f"{record.parent_id:016x}"
         if record.error_type is not None:
-            span["attributes"] = span["attributes"] + [{"key": "error.type", "value": {"stringValue": record.error_type}}]
+            span["attributes"] = span["attributes"] + [
+                {"key": "error.type", "value": {"stringValue": record.error_type}}
+            ]
             span["status"] = {"code": 2, "message": record.error_message}
-            span["events"] = [{
-                "name": "exception",
-                "timeUnixNano": str(record.end_ns),
-                "attributes": otlp_attributes({"exception.type": record.error_type,
-                                               "exception.message": record.error_message}),
-            }]
+            span["events"] = [
+                {
+                    "name": "exception",
+                    "timeUnixNano": str(record.end_ns),
+                    "attributes": otlp_attributes(
+                        {"exception.type": record.error_type, "exception.message": record.error_message}
+                    ),
+                }
+            ]
         return span
 
     def export(self, records: Iterable[SpanRecord]) -> bool:
@@ -114,18 +125,26 @@ class SdkExporterSink:
         self._resource = Resource(resource_attributes)
         self._scope = InstrumentationScope(SCOPE["name"], SCOPE["version"])
 
-    def _readable(self, record: SpanRecord):
+    def _readable(self, record: SpanRecord) -> Any:
         from opentelemetry.sdk.trace import Event, ReadableSpan
         from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
         flags = TraceFlags(TraceFlags.SAMPLED)
-        parent = SpanContext(record.trace_id, record.parent_id, record.remote_parent, flags) if record.parent_id else None
-        attributes, events, status = record.attributes, (), Status(StatusCode.UNSET)
+        parent = (
+            SpanContext(record.trace_id, record.parent_id, record.remote_parent, flags) if record.parent_id else None
+        )
+        attributes, status = record.attributes, Status(StatusCode.UNSET)
+        events: tuple[Event, ...] = ()
         if record.error_type is not None:
             attributes = {**attributes, "error.type": record.error_type}
             status = Status(StatusCode.ERROR, record.error_message)
-            events = (Event("exception", {"exception.type": record.error_type,
-                                          "exception.message": record.error_message}, record.end_ns),)
+            events = (
+                Event(
+                    "exception",
+                    {"exception.type": record.error_type, "exception.message": record.error_message},
+                    record.end_ns,
+                ),
+            )
         return ReadableSpan(
             name=record.name,
             context=SpanContext(record.trace_id, record.span_id, False, flags),
@@ -149,15 +168,17 @@ class SdkExporterSink:
         self.exporter.shutdown()
 
 
-def _otlp_exporter(config: Config):
+def _otlp_exporter(config: Config) -> Any:
     if config.otlp_protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             return OTLPSpanExporter()
         except ImportError:
-            _logger.warning("rpc_observe: OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the package "
-                            "opentelemetry-exporter-otlp-proto-grpc; using http/protobuf")
+            _logger.warning(
+                "rpc_observe: OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the package "
+                "opentelemetry-exporter-otlp-proto-grpc; using http/protobuf"
+            )
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter()

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from . import _health, _patching
+from .. import _patching
+from ..telemetry import health
 
 _profiler_enabled = torch.autograd._profiler_enabled
 _LEGACY = torch._C._profiler.ActiveProfilerType.LEGACY
@@ -35,7 +36,7 @@ CATEGORY = "rpc_observe"
 class ProfilerEvents:
     """Profiler events of one process."""
 
-    def __init__(self, worker: str, run_id: str, capacity: int = 50_000):
+    def __init__(self, worker: str, run_id: str, capacity: int = 50_000) -> None:
         self.worker = worker
         self.run_id = run_id
         self.armed = False  # set once any torch profiler has started in this process
@@ -91,19 +92,19 @@ class ProfilerEvents:
         """Arms the ring when a profiler starts, and fills exported traces from it."""
         events = self
 
-        def _start_trace(original):
-            def wrapper(self, *args, **kwargs):
+        def _start_trace(original: Any) -> Any:
+            def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
                 events.armed = True
                 return original(self, *args, **kwargs)
             return wrapper
 
-        def _export_chrome_trace(original):
-            def wrapper(self, path, *args, **kwargs):
+        def _export_chrome_trace(original: Any) -> Any:
+            def wrapper(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
                 result = original(self, path, *args, **kwargs)
                 try:
                     events.inject(path)
                 except Exception:
-                    _health.internal_error("profiler_export")
+                    health.internal_error("profiler_export")
                 return result
             return wrapper
 
@@ -111,7 +112,6 @@ class ProfilerEvents:
         _patching.patch(profile, "_start_trace", _start_trace)
         _patching.patch(profile, "export_chrome_trace", _export_chrome_trace)
         self.armed = self.armed or _profiler_enabled()
-
 
 
 class ProfileSession:
@@ -123,7 +123,8 @@ class ProfileSession:
     (default 300 s) even if shutdown never comes, and writes what it has.
     """
 
-    def __init__(self, path: str, worker: str, rank: int | None, world_size: int | None, max_seconds: float):
+    def __init__(self, path: str, worker: str, rank: int | None, world_size: int | None,
+                 max_seconds: float) -> None:
         from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
         self.path = path
@@ -144,11 +145,11 @@ class ProfileSession:
         with self._lock:
             if self._profile is None:
                 return
-            profile, self._profile = self._profile, None
+            profile, self._profile = self._profile, None  # type: ignore[assignment]
         self._timer.cancel()
         try:
             profile.stop()
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             profile.export_chrome_trace(self.path)
         except Exception:
-            _health.internal_error("profile_session")
+            health.internal_error("profile_session")

@@ -21,8 +21,8 @@ from opentelemetry.baggage import _BAGGAGE_KEY
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from opentelemetry.trace.propagation import _SPAN_KEY
 
-from . import _health, propagation
-from .config import Config
+from ..config import Config
+from . import health, propagation
 
 _logger = logging.getLogger("rpc_observe")
 
@@ -47,8 +47,20 @@ _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 class SpanRecord:
     """One finished or running span, kept as plain data until export."""
 
-    __slots__ = ("name", "kind", "trace_id", "span_id", "parent_id", "remote_parent",
-                 "start_ns", "end_ns", "attributes", "error_type", "error_message", "sampled")
+    __slots__ = (
+        "name",
+        "kind",
+        "trace_id",
+        "span_id",
+        "parent_id",
+        "remote_parent",
+        "start_ns",
+        "end_ns",
+        "attributes",
+        "error_type",
+        "error_message",
+        "sampled",
+    )
 
     def __init__(self, name, kind, trace_id, span_id, parent_id, remote_parent, sampled, attributes, start_ns):
         self.name = name
@@ -119,21 +131,20 @@ class Tracer:
         propagate.inject(carrier, context=ctx)
         return propagation.carrier_text(carrier)
 
-    def start_server(self, name: str, attributes: dict, fields: list[str] | None, start_ns: int) -> SpanRecord:
-        """A SERVER span, child of the remote CLIENT span named in the request trailer's `fields`.
+    def start_server(self, name: str, attributes: dict, context: list[str] | None, start_ns: int) -> SpanRecord:
+        """A SERVER span, child of the remote CLIENT span that the caller's `context` fields name.
 
         A missing or malformed context starts a new trace.
         """
         parent = None
-        if fields is not None and len(fields) > 4:
-            context = fields[4]
-            if self._fast_propagation and len(fields) == 5 and context[:12] == "traceparent=":
-                parent = propagation.parse_traceparent(context[12:])
+        if context:
+            if self._fast_propagation and len(context) == 1 and context[0][:12] == "traceparent=":
+                parent = propagation.parse_traceparent(context[0][12:])
             elif self._propagates:
-                sc = trace.get_current_span(propagate.extract(propagation.carrier_of(fields))).get_span_context()
+                sc = trace.get_current_span(propagate.extract(propagation.carrier_of(context))).get_span_context()
                 parent = (sc.trace_id, sc.span_id, sc.trace_flags.sampled) if sc.is_valid else None
             if parent is None:
-                _health.invalid_context()
+                health.invalid_context()
         if parent is not None:
             trace_id, parent_id, parent_sampled = parent
             sampled = self._should_sample(trace_id, parent_sampled)
@@ -159,10 +170,11 @@ class Tracer:
         if type(token) is int:
             self.serving.pop(token, None)
         else:
-            context.detach(token)
+            context.detach(token)  # type: ignore[arg-type]
 
-    def end(self, span: SpanRecord, end_ns: int, error: BaseException | str | None = None,
-            error_type: str | None = None) -> None:
+    def end(
+        self, span: SpanRecord, end_ns: int, error: BaseException | str | None = None, error_type: str | None = None
+    ) -> None:
         span.end_ns = end_ns
         if error is not None:
             span.error_type = error_type or type(error).__name__
@@ -171,7 +183,7 @@ class Tracer:
         if not span.sampled:
             return
         if len(self._queue) >= self._max_queue:
-            _health.spans_lost(1)
+            health.spans_lost(1)
             return
         self._queue.append(span)
 
@@ -188,10 +200,10 @@ class Tracer:
             for sink in self._sinks:
                 try:
                     if not sink.export(batch):
-                        _health.spans_lost(len(batch))
+                        health.spans_lost(len(batch))
                 except Exception:
-                    _health.internal_error("span_export")
-                    _health.spans_lost(len(batch))
+                    health.internal_error("span_export")
+                    health.spans_lost(len(batch))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Exports what is queued; returns False if that took longer than the timeout.
@@ -220,15 +232,19 @@ class Tracer:
         self._stopping = True
         self._wake.set()
         if not self.flush():
-            _logger.warning("rpc_observe: span export did not finish within %.1fs (OTEL_BSP_EXPORT_TIMEOUT); "
-                            "%d queued spans are dropped", self._config.bsp_export_timeout_s, len(self._queue))
-            _health.spans_lost(len(self._queue))
+            _logger.warning(
+                "rpc_observe: span export did not finish within %.1fs (OTEL_BSP_EXPORT_TIMEOUT); "
+                "%d queued spans are dropped",
+                self._config.bsp_export_timeout_s,
+                len(self._queue),
+            )
+            health.spans_lost(len(self._queue))
             self._queue.clear()
         for sink in self._sinks:
             try:
                 sink.shutdown()
             except Exception:
-                _health.internal_error("span_exporter_shutdown")
+                health.internal_error("span_exporter_shutdown")
 
 
 def _span_context(span: SpanRecord) -> SpanContext:

@@ -1,0 +1,36 @@
+"""The torch hooks: everything that imports torch and runs for every RPC.
+
+`client` (rpc_sync, rpc_async, remote), `pickler` (every message), `server` (every
+Python UDF) and `profiler_events` feed `rpc_observe.telemetry`; `calls` is the life of
+one client call, `trailer` the bytes that carry it between workers. Imports flow one
+way: hooks -> telemetry, never back.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..telemetry.runtime import Runtime
+
+
+def attach(runtime: Runtime) -> None:
+    """Gives a new runtime what needs torch: the call sweep, torch's debug state, profiler events."""
+    from . import calls, torch_state
+
+    runtime.add_housekeeping(calls.sweep)
+    if runtime.metrics is not None:
+        runtime.metrics.agent_info = torch_state.agent_debug_info
+    config = runtime.config
+    if config.profiler_events or config.profile:
+        from .profiler_events import ProfilerEvents
+
+        runtime.profiler = ProfilerEvents(runtime.worker, runtime.run_id)
+        runtime.profiler.patch_profiler()
+    if config.profile and runtime.out_dir is not None:
+        from .profiler_events import ProfileSession
+
+        path = os.path.join(runtime.out_dir, "profiler", f"{runtime.worker}.json")
+        runtime.profile_session = ProfileSession(path, runtime.worker, runtime.rank, runtime.world_size,
+                                                 config.profile_max_seconds)

@@ -1,0 +1,152 @@
+"""The life of one client call, in one place: its id, the table of calls waiting for an
+echoed response, the sweep, and the reference way a call ends.
+
+A call starts in `client` (a `Call` per call), gets an id when its request is pickled
+(`pickler.serialize`, only for calls whose response the callee echoes: see
+`ClientSite.echoed`) and ends in exactly one of these ways, all through `Call.finish`:
+- its echoed response is unpickled (`pickler.deserialize`, the common case; the
+  successful, unprofiled ending is done inline there with these names);
+- a done-callback (`Call.on_done`), for calls whose responses carry no echo (builtins,
+  TorchScript, async_execution functions, `remote`);
+- `sweep`, for calls that completed without an echoed response: a timeout, a lost peer,
+  or a peer without rpc_observe (whose call sites then stop waiting for echoes);
+- `end_raised`, when torch raised before the call had a future.
+The callee's half of the echo is `pending_replies`: `server` leaves the caller's call id
+there for the thread that pickles the UDF's response.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from torch.autograd import _profiler_enabled
+from torch.distributed.rpc.internal import RemoteException
+
+from ..telemetry import health
+from ..telemetry.metrics import fold_finished
+
+if TYPE_CHECKING:
+    from ..telemetry.runtime import Runtime
+    from .client import ClientSite
+    from .server import ServerSite
+
+local = threading.local()  # .call: the client call being serialized on this thread
+in_flight: dict[int, Call] = {}  # calls that end when their echoed response is unpickled, by call id
+next_id = itertools.count(1).__next__
+# The site and caller's call id of the UDF whose response is pickled next on a thread, by
+# thread id: torch's pool threads get a fresh Python thread state (and an empty
+# threading.local) every time they take the GIL, between running a UDF and pickling its response.
+pending_replies: dict[int, tuple[ServerSite, str]] = {}
+_sweep_lock = threading.Lock()
+_time_ns = time.time_ns
+_native_id = threading.get_native_id
+Error = tuple[str, str]  # (error.type, message)
+
+
+class Call:
+    """One client call in flight."""
+
+    __slots__ = ("runtime", "site", "start_ns", "span", "rf", "tid", "id", "future")
+
+    def __init__(self, runtime: Runtime, site: ClientSite) -> None:
+        self.runtime, self.site = runtime, site
+        self.start_ns = _time_ns()
+        self.id = 0
+        self.future: Any = None
+        tracer, profiler = runtime.tracer, runtime.profiler
+        self.span = tracer.start_client(site.span_name, site.attributes, self.start_ns) if tracer else None
+        if profiler is not None:
+            self.rf = profiler.client_start(site.key) if _profiler_enabled() else None
+            self.tid = _native_id() if profiler.armed else 0
+        else:
+            self.rf = None
+        if site.record is not None:
+            site.record(site.started)
+
+    def finish(self, end_ns: int | None = None, error: Error | None = None) -> None:
+        """Ends the call at `end_ns` (now if None): the reference ending, that every other one matches."""
+        end_ns = _time_ns() if end_ns is None else end_ns
+        runtime, site = self.runtime, self.site
+        if site.record is not None:
+            site.record((fold_finished, site.cells, (end_ns - self.start_ns) / 1e9))
+            if error is not None:
+                runtime.metrics.count_error("client", site.method, site.dst, error[0])
+        if self.span is not None:
+            if error is None:
+                runtime.tracer.end(self.span, end_ns)
+            else:
+                runtime.tracer.end(self.span, end_ns, error[1], error[0])
+        profiler = runtime.profiler
+        if profiler is not None and self.rf is None and profiler.armed:
+            profiler.record(site.key, "client", self.start_ns, end_ns, self.tid, self.span)
+
+    def fail(self, error: BaseException | None) -> None:
+        self.finish(None, (classify(error), str(error)) if error is not None else None)
+
+    def on_done(self, future: Any) -> None:
+        try:
+            self.fail(future_error(future))
+        except Exception:
+            health.internal_error("client_done")
+
+
+def end_raised(call: Call, error: BaseException) -> None:
+    """Ends a call that raised before it had a future."""
+    try:
+        if call.id:
+            in_flight.pop(call.id, None)
+        if call.rf is not None:
+            call.runtime.profiler.client_end(call.rf)
+        call.fail(error)
+    except Exception:
+        health.internal_error("client_end")
+
+
+def sweep() -> None:
+    """Ends the calls that completed without an echoed response: failed ones, and replies of peers
+    without rpc_observe (their call sites stop waiting for an echo).
+
+    One sweep at a time, so that a scrape that sweeps first also sees what a concurrent
+    sweep (the housekeeping thread's) has taken out of `in_flight` but not yet recorded.
+    """
+    with _sweep_lock:
+        for call_id, call in list(in_flight.items()):
+            future = call.future
+            if future is None or not future.done() or in_flight.pop(call_id, None) is None:
+                continue
+            error = future_error(future)
+            if error is None:
+                call.site.echoed = False
+            try:
+                call.fail(error)
+            except Exception:
+                health.internal_error("client_sweep")
+
+
+def remote_error(obj: object) -> Error | None:
+    """(error.type, message) of a response that is a UDF's exception (torch raises it on the caller)."""
+    return (obj.exception_type.__name__, obj.msg) if type(obj) is RemoteException else None
+
+
+def future_error(future: Any) -> BaseException | None:
+    """The exception a completed torch Future holds (already on its way to the caller), or None."""
+    try:
+        future.value()
+    except BaseException as e:
+        return e
+    return None
+
+
+def classify(error: BaseException) -> str:
+    """The error.type of a failed call: the exception class, or timeout / connection_error."""
+    name = type(error).__name__
+    if name == "RuntimeError":
+        text = str(error)[:512].lower()
+        if "timeout" in text or "timed out" in text:
+            return "timeout"
+        if "connection" in text or "pipe" in text or "eof" in text or "shut down" in text:
+            return "connection_error"
+    return name

@@ -1,0 +1,172 @@
+"""Client side: `rpc_sync`, `rpc_async`, `remote` and the RRef proxies built on them.
+
+`rpc_sync` and `rpc_async` both go through `api._invoke_rpc`, so that is what is
+wrapped; `rpc_async` itself stays torch's object, because `rref_proxy._invoke_rpc`
+tells async proxies apart by identity (`rpc_api is not rpc_async`). `remote` is
+wrapped in `api` and in its `torch.distributed.rpc` re-export before `init_rpc`, when
+the C++ handler looks it up for the RRef proxies. How a call ends is `calls`' business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..telemetry import health
+from ..telemetry import runtime as _runtime
+from ..telemetry.metrics import fold_started
+from . import trailer
+from .calls import Call, end_raised, local
+from .naming import is_internal, method_name, profiling_key, span_attributes
+
+if TYPE_CHECKING:
+    from ..telemetry.runtime import Runtime
+
+_MAX_SITES = 10_000
+
+
+class ClientSite:
+    """What every call of one function, mode and destination shares: names, attributes, metric cells."""
+
+    __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "record", "cells", "started",
+                 "request_cells", "response_cells", "trailer_head", "echoed")
+
+    def __init__(self, runtime: Runtime, func: Any, mode: str, dst: str) -> None:
+        self.method = method_name(func)
+        self.mode, self.dst = mode, dst
+        self.key = profiling_key(mode, self.method, runtime.worker, dst)
+        self.span_name = self.key if runtime.config.span_names == "key" else self.method
+        self.attributes = span_attributes(self.method, runtime.worker, dst, mode, self.key, is_internal(func))
+        self.trailer_head = trailer.request_head(runtime.worker, mode)
+        # Only a Python function's response goes through the pickler, and only a plain
+        # one's is pickled on the thread that ran it, where the callee can echo the id.
+        self.echoed = (mode != "remote" and not hasattr(func, "_wrapped_async_rpc_function")
+                       and torch.jit._builtins._find_builtin(func) is None
+                       and not isinstance(func, torch.jit.ScriptFunction))
+        metrics = runtime.metrics
+        self.record = metrics.record if metrics else None
+        self.cells = metrics.client_cells(self.method, mode, dst) if metrics else None
+        self.started = (fold_started, self.cells) if metrics else None
+        self.request_cells = metrics.message_cells("serialize", "request", self.method) if metrics else None
+        self.response_cells = metrics.message_cells("deserialize", "response", self.method) if metrics else None
+
+
+def _begin(runtime: Runtime, to: Any, func: Any, mode: str) -> Call | None:
+    try:
+        try:
+            dst = to if type(to) is str else _worker_name(to)
+        except Exception:  # an invalid destination: torch raises it to the caller, we count the failure
+            dst = "unknown"
+        sites, key = runtime.client_sites, (func, mode, dst)
+        try:
+            site = sites.get(key)
+        except TypeError:  # an unhashable func: a site of its own, not cached
+            return Call(runtime, ClientSite(runtime, func, mode, dst))
+        if site is None:
+            if len(sites) > _MAX_SITES:
+                sites.clear()
+            site = sites[key] = ClientSite(runtime, func, mode, dst)
+        return Call(runtime, site)
+    except Exception:
+        health.internal_error("client_start")
+        return None
+
+
+def _worker_name(to: Any) -> str:
+    """The name of a WorkerInfo or rank (RRef proxies pass `rref.owner()`, a WorkerInfo)."""
+    name = getattr(to, "name", None)
+    if isinstance(name, str):
+        return name
+    from torch.distributed.rpc import api
+
+    return api._to_worker_info(to).name
+
+
+def _watch(call: Call, future: Any) -> Any:
+    """Ends the call when `future` completes (unless its response ends it); returns the future the caller waits on.
+
+    With a profiler event open, that is the future torch's own profiling path returns
+    (`_call_end_callbacks_on_future`): same value or exception, completed only after the
+    event is closed, so a profiler stopped right after wait() never races the pool thread
+    that closes it.
+    """
+    try:
+        if call.id:
+            call.future = future
+        else:
+            future.add_done_callback(call.on_done)
+        if call.rf is not None:
+            return call.runtime.profiler.client_end_on(call.rf, future)
+    except Exception:
+        health.internal_error("client_watch")
+    return future
+
+
+def wrap_invoke_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps `api._invoke_rpc(to, func, rpc_type, ...)`, behind rpc_sync and rpc_async."""
+
+    def _invoke_rpc(to: Any, func: Any, rpc_type: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = _runtime.current
+        call = None
+        if runtime is not None:
+            try:  # a known site by name, inline; _begin for the rest
+                mode = rpc_type._value_  # not .value: a descriptor, a Python call
+                try:
+                    site = runtime.client_sites.get((func, mode, to)) if type(to) is str else None
+                except TypeError:  # an unhashable func
+                    site = None
+                call = Call(runtime, site) if site is not None else _begin(runtime, to, func, mode)
+            except Exception:
+                health.internal_error("client_start")
+        if call is None:
+            return original(to, func, rpc_type, *args, **kwargs)
+        outer = getattr(local, "call", None)
+        local.call = call
+        try:
+            future = original(to, func, rpc_type, *args, **kwargs)
+        except BaseException as e:
+            local.call = outer
+            end_raised(call, e)
+            raise
+        local.call = outer
+        if call.id and call.rf is None:  # its echoed response ends it
+            call.future = future
+            return future
+        return _watch(call, future)
+
+    return _invoke_rpc
+
+
+def wrap_remote(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps `api.remote(to, func, ...)`; the call ends when the owner confirms the RRef."""
+
+    def remote(to: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = _runtime.current
+        call = _begin(runtime, to, func, "remote") if runtime is not None else None
+        if call is None:
+            return original(to, func, *args, **kwargs)
+        outer = getattr(local, "call", None)
+        local.call = call
+        try:
+            rref = original(to, func, *args, **kwargs)
+        except BaseException as e:
+            local.call = outer
+            end_raised(call, e)
+            raise
+        local.call = outer
+        try:
+            future = rref._get_future()
+        except Exception:
+            health.internal_error("client_watch")
+            return rref
+        profiled = _watch(call, future)
+        if profiled is not future:
+            try:
+                rref._set_profiling_future(profiled)  # as torch does under its legacy profiler
+            except Exception:
+                health.internal_error("client_watch")
+        return rref
+
+    return remote

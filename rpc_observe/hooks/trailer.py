@@ -1,0 +1,88 @@
+"""The trailer rpc_observe appends to a pickled RPC message, and its one general parser.
+
+torch's unpickler stops at the pickle STOP opcode and ignores what follows, so the
+context is appended after the pickle:
+
+    <payload: fields, UTF-8, separated by 0x1f> <length of payload: 2 bytes, little endian> <MAGIC>
+
+A peer without rpc_observe (or with it switched off) unpickles the message exactly as
+before; a peer with it finds MAGIC at the very end. A request's fields are
+`q, src, mode, call id, carrier entries...`; a response's are `r, call id` (the echo that
+lets the caller end the call where it unpickles the response). The pickler's inline fast
+path reads the same layout through these names; `split` is the reference parser, and
+tests/unit feed both the same bytes.
+"""
+
+from __future__ import annotations
+
+from ..telemetry import health
+from ..telemetry.propagation import SEP
+
+MAGIC = b"\x00rpcobs1"
+MAGIC_SIZE = len(MAGIC)
+LENGTH_SIZE = 2
+OVERHEAD = MAGIC_SIZE + LENGTH_SIZE  # bytes after the payload
+MAX_PAYLOAD = 2048  # a peer's trailer is never trusted beyond this many bytes
+REQUEST = "q"
+RESPONSE = "r"
+REQUEST_PREFIX = (REQUEST + SEP).encode()
+RESPONSE_PREFIX = (RESPONSE + SEP).encode()
+# Field indices of a request (a response has KIND and RESPONSE_CALL_ID).
+KIND, SRC, MODE, CALL_ID, CONTEXT = 0, 1, 2, 3, 4
+RESPONSE_CALL_ID = 1
+MAX_CALL_ID_DIGITS = 20
+
+
+def request_head(src: str, mode: str) -> str:
+    """The fixed part of a call site's request trailers, up to the call id."""
+    return SEP.join((REQUEST, src, mode, ""))
+
+
+def request_trailer(head: str, call_id: int = 0, context: str = "") -> bytes:
+    """The trailer of a request: `head` (who calls, how), the call id (0: no echo wanted), the context."""
+    text = head + str(call_id) if call_id else head
+    if context:
+        text += SEP + context
+    return _pack(text)
+
+
+def response_trailer(call_id: str) -> bytes:
+    """The trailer of a response: the caller's call id, echoed."""
+    return _pack(RESPONSE + SEP + call_id)
+
+
+def _pack(text: str) -> bytes:
+    payload = text.encode("utf-8", "replace")[:MAX_PAYLOAD]
+    return payload + len(payload).to_bytes(LENGTH_SIZE, "little") + MAGIC
+
+
+def valid_call_id(text: str) -> bool:
+    """Empty (no echo wanted) or a decimal number of at most MAX_CALL_ID_DIGITS digits."""
+    return not text or (len(text) <= MAX_CALL_ID_DIGITS and text.isdigit())
+
+
+def split(data: bytes) -> tuple[int, list[str] | None]:
+    """Returns (length of the pickle without the trailer, the trailer's fields or None).
+
+    A malformed trailer from a peer is counted and ignored; it never raises.
+    """
+    if data[-MAGIC_SIZE:] != MAGIC:
+        return len(data), None
+    try:
+        size = int.from_bytes(data[-OVERHEAD:-MAGIC_SIZE], "little")
+        if size > MAX_PAYLOAD or size + OVERHEAD > len(data):
+            raise ValueError("trailer length out of range")
+        fields = bytes(data[-OVERHEAD - size : -OVERHEAD]).decode("utf-8").split(SEP)
+        kind = fields[KIND]
+        if kind == REQUEST and len(fields) > CALL_ID:
+            call_id = fields[CALL_ID]
+        elif kind == RESPONSE and len(fields) == RESPONSE_CALL_ID + 1:
+            call_id = fields[RESPONSE_CALL_ID]
+        else:
+            raise ValueError("not a request (kind, src, mode, call id, ...) or response (kind, call id) trailer")
+        if not valid_call_id(call_id):
+            raise ValueError("the call id is not a number")
+        return len(data) - size - OVERHEAD, fields
+    except Exception:
+        health.invalid_context()
+        return len(data), None

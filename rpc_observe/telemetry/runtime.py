@@ -1,0 +1,212 @@
+"""The telemetry of one worker process: started by the wrapped `init_rpc`, before torch's.
+
+torch's own init_rpc already makes RPCs, and peers may call this worker before its
+init_rpc returns, so everything here is ready before the original init_rpc runs.
+Until then `current` is None and every wrapper goes straight to torch's original.
+This package never imports torch: the hooks attach what needs it (profiler events,
+torch's debug state, the call sweep) through `start(..., setup=...)` and
+`add_housekeeping`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import RPC_OBSERVE_DIR, Config
+from . import exposition, health
+
+_logger = logging.getLogger("rpc_observe")
+current: Runtime | None = None
+_start_lock = threading.Lock()
+HOUSEKEEPING_PERIOD_S = 0.1
+_DRAIN_SLICE = 256
+
+
+class Runtime:
+    """Metrics, tracer and profiler events of this process, labelled with its worker name."""
+
+    def __init__(self, config: Config, worker: str, rank: int | None, world_size: int | None = None) -> None:
+        self.config = config
+        self.worker = worker
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = config.run_id
+        self.metrics: Any = None  # telemetry.metrics.Metrics when RPC_OBSERVE_METRICS is on
+        self.tracer: Any = None  # telemetry.tracing.Tracer when a traces exporter is set
+        self.profiler: Any = None  # hooks.profiler_events.ProfilerEvents, attached by the hooks
+        self.profile_session: Any = None  # RPC_OBSERVE_PROFILE's session, attached by the hooks
+        self.metrics_port: int | None = None
+        self.target_path: str | None = None
+        self.spans_path: str | None = None
+        self._server: Any = None
+        # Per call site caches of the hooks (names, attributes, metric cells), keyed by what they see.
+        self.client_sites: dict[Any, Any] = {}
+        self.server_sites: dict[Any, Any] = {}
+        self.request_cells: dict[Any, Any] = {}  # cells of incoming requests by function, and of unknown messages
+        self._housekeeping: list[Callable[[], None]] = []
+        self.out_dir = self._make_out_dir()
+        if config.metrics:
+            self._start_metrics(rank, self.out_dir)
+        if config.tracing:
+            self._start_tracing(self.out_dir)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._housekeeping_loop, name="rpc_observe-housekeeping", daemon=True)
+
+    def add_housekeeping(self, hook: Callable[[], None]) -> None:
+        """Runs `hook` first in every housekeeping pass (every 0.1 s, and before each scrape and flush)."""
+        self._housekeeping.append(hook)
+
+    def run_hooks(self) -> None:
+        for hook in self._housekeeping:
+            hook()
+
+    def housekeeping(self) -> None:
+        """Runs the hooks (the hooks' call sweep), then folds queued metric records.
+
+        In slices of 256 records: the GIL is free for the RPC threads between them.
+        """
+        self.run_hooks()
+        while self.metrics is not None and self.metrics.drain(_DRAIN_SLICE):
+            time.sleep(0)
+
+    def _housekeeping_loop(self) -> None:
+        while not self._stopped.wait(HOUSEKEEPING_PERIOD_S):
+            try:
+                self.housekeeping()
+            except Exception:
+                health.internal_error("housekeeping")
+
+    def _make_out_dir(self) -> str | None:
+        out_dir = self.config.out_dir
+        try:
+            for sub in ("spans", "targets"):
+                os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+            probe = os.path.join(out_dir, "spans", f".probe-{os.getpid()}")
+            open(probe, "w").close()
+            os.remove(probe)
+            return out_dir
+        except OSError as e:
+            _logger.warning(
+                "rpc_observe: %s=%r is not writable (%s): accepted a directory this process can "
+                "create and write; span files and file_sd targets are off, metrics and OTLP export "
+                "go on",
+                RPC_OBSERVE_DIR,
+                out_dir,
+                e.strerror or e,
+            )
+            return None
+
+    def _start_metrics(self, rank: int | None, out_dir: str | None) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from .metrics import Metrics
+
+        self.metrics = Metrics(self.worker, self.config.max_methods, None, self.run_hooks)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.metrics)
+        try:
+            self._server, self.metrics_port = exposition.serve(registry, self.config, rank)
+        except Exception as e:
+            _logger.warning(
+                "rpc_observe: cannot serve metrics on %s (%s); metrics are still counted", self.config.metrics_addr, e
+            )
+            return
+        if out_dir is not None:
+            self.target_path = exposition.write_target(
+                os.path.join(out_dir, "targets"), self.worker, self.config.metrics_addr, self.metrics_port, self.run_id
+            )
+
+    def _start_tracing(self, out_dir: str | None) -> None:
+        from opentelemetry.sdk.resources import Resource
+
+        from . import exporters, tracing
+
+        resource = Resource.create(
+            {
+                "service.name": self.config.service_name or self.worker,
+                "torch.rpc.worker": self.worker,
+                "process.pid": os.getpid(),
+                "rpc_observe.run_id": self.run_id,
+            }
+        )
+        spans_dir = os.path.join(out_dir, "spans") if out_dir is not None else None
+        sinks = exporters.build_sinks(self.config, dict(resource.attributes), spans_dir, self.worker)
+        self.spans_path = next((s.path for s in sinks if hasattr(s, "path")), None)
+        self.tracer = tracing.Tracer(self.config, sinks)
+
+    def flush(self) -> None:
+        """Ends what completed, and exports queued spans (bounded by OTEL_BSP_EXPORT_TIMEOUT)."""
+        self.housekeeping()
+        if self.tracer is not None:
+            self.tracer.flush()
+
+    def finish_profile(self) -> None:
+        if self.profile_session is not None:
+            self.profile_session.finish()
+
+    def close(self) -> None:
+        self._stopped.set()
+        self.finish_profile()
+        if self.tracer is not None:
+            self.tracer.shutdown()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self.target_path is not None:
+            try:
+                os.remove(self.target_path)
+            except OSError:
+                pass
+
+
+def start(
+    config: Config,
+    worker: str,
+    rank: int | None,
+    world_size: int | None = None,
+    setup: Callable[[Runtime], None] | None = None,
+) -> Runtime | None:
+    """Starts this process's telemetry once; later calls return the running one.
+
+    `setup(runtime)` runs before the runtime becomes `current`, so that no RPC sees it half built.
+    """
+    global current
+    with _start_lock:
+        if current is not None:
+            return current
+        try:
+            runtime = Runtime(config, worker, rank, world_size)
+            if setup is not None:
+                setup(runtime)
+            runtime._thread.start()
+        except Exception:
+            health.internal_error("start")
+            return None
+        current = runtime
+        atexit.register(_close_at_exit, runtime)
+        return runtime
+
+
+def _close_at_exit(runtime: Runtime) -> None:
+    try:
+        runtime.close()
+    except Exception:
+        pass
+
+
+def stop() -> None:
+    """Stops the telemetry (uninstrument): flushes spans, closes the endpoint."""
+    global current
+    with _start_lock:
+        runtime, current = current, None
+    if runtime is not None:
+        try:
+            runtime.close()
+        except Exception:
+            health.internal_error("stop")

@@ -1,0 +1,89 @@
+"""The import directions the README's Architecture section promises, read from the source.
+
+hooks -> telemetry, never back; telemetry imports no torch; merge imports only the standard
+library; config imports only the standard library. Lazy imports inside functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "rpc_observe"
+STDLIB = sys.stdlib_module_names
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, absolute (relative imports resolved)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            found.add(prefix)
+            if node.level and not node.module:  # `from . import x`: x is a module of the package
+                found.update(f"{prefix}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _modules(subpackage: str) -> list[Path]:
+    return sorted((PACKAGE / subpackage).rglob("*.py"))
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def _within(name: str, *roots: str) -> bool:
+    return any(name == root or name.startswith(root + ".") for root in roots)
+
+
+@pytest.mark.parametrize("path", _modules("telemetry"), ids=lambda p: p.name)
+def test_telemetry_imports_no_torch_and_no_hooks(path: Path) -> None:
+    bad = {m for m in _imports(path)
+           if _top(m) == "torch" or _within(m, "rpc_observe.hooks", "rpc_observe.merge", "rpc_observe.demo",
+                                            "rpc_observe.instrumentor")}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _modules("hooks"), ids=lambda p: p.name)
+def test_hooks_import_only_telemetry_of_the_package(path: Path) -> None:
+    bad = {m for m in _imports(path)
+           if _within(m, "rpc_observe.merge", "rpc_observe.demo", "rpc_observe.instrumentor", "rpc_observe.cli")}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _modules("merge"), ids=lambda p: p.name)
+def test_merge_imports_only_the_standard_library(path: Path) -> None:
+    bad = {m for m in _imports(path) if _top(m) not in STDLIB and not _within(m, "rpc_observe.merge")}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_config_imports_only_the_standard_library() -> None:
+    bad = {m for m in _imports(PACKAGE / "config.py") if _top(m) not in STDLIB}
+    assert not bad
+
+
+def test_the_checker_sees_violations(tmp_path: Path) -> None:
+    """The rules above can fail: a telemetry module importing torch lazily is caught."""
+    fake = PACKAGE / "telemetry" / "metrics.py"
+    imports = _imports(fake)
+    assert "prometheus_client.core" in imports and "rpc_observe.telemetry.health" in imports
+    hooks_client = _imports(PACKAGE / "hooks" / "client.py")
+    assert "rpc_observe.telemetry.runtime" in hooks_client and "torch" in hooks_client

@@ -1,0 +1,102 @@
+"""The trailer codec, and the pickler's inline fast path against the general parser on the same bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from torch.distributed.rpc.internal import PythonUDF
+
+from rpc_observe import config
+from rpc_observe.hooks import calls, trailer
+from rpc_observe.hooks.client import ClientSite
+from rpc_observe.hooks.pickler import wrap_deserialize
+from rpc_observe.telemetry import health, runtime
+from rpc_observe.telemetry.metrics import fold_finished, fold_message
+
+
+def noop() -> None:
+    pass
+
+
+@pytest.fixture
+def metrics_runtime(tmp_path: Any) -> Iterator[runtime.Runtime]:
+    """A real Runtime (metrics, no spans), current for the hooks, and gone after the test."""
+    cfg = config.load({"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none",
+                       "RPC_OBSERVE_PROFILER_EVENTS": "0"})
+    rt = runtime.Runtime(cfg, "worker1", 1)
+    runtime.current = rt
+    yield rt
+    runtime.current = None
+    calls.in_flight.clear()
+    rt.close()
+
+
+def test_layout_constants_describe_the_bytes() -> None:
+    tail = trailer.request_trailer(trailer.request_head("w0", "sync"), 7, "traceparent=x")
+    assert tail.endswith(trailer.MAGIC) and len(trailer.MAGIC) == trailer.MAGIC_SIZE
+    size = int.from_bytes(tail[-trailer.OVERHEAD:-trailer.MAGIC_SIZE], "little")
+    payload = tail[-trailer.OVERHEAD - size:-trailer.OVERHEAD]
+    assert size + trailer.OVERHEAD == len(tail) and payload.startswith(trailer.REQUEST_PREFIX)
+    fields = payload.decode().split(trailer.SEP)
+    assert (fields[trailer.SRC], fields[trailer.MODE], fields[trailer.CALL_ID], fields[trailer.CONTEXT]) \
+        == ("w0", "sync", "7", "traceparent=x")
+    assert trailer.response_trailer("7")[:len(trailer.RESPONSE_PREFIX)] == trailer.RESPONSE_PREFIX
+
+
+def test_oversized_payload_is_cut_to_the_limit() -> None:
+    tail = trailer.request_trailer(trailer.request_head("w" * 5000, "sync"))
+    assert len(tail) == trailer.MAX_PAYLOAD + trailer.OVERHEAD
+
+
+HEAD = trailer.request_head("worker0", "sync")
+REQUESTS = [
+    trailer.request_trailer(HEAD),
+    trailer.request_trailer(HEAD, 12),
+    trailer.request_trailer(HEAD, 12, "traceparent=00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+    trailer.request_trailer(HEAD, 99, "traceparent=t\x1fbaggage=k=v"),
+    trailer.request_trailer(trailer.request_head("wörker", "async"), 3),  # not ASCII: the general path
+    trailer.request_trailer(trailer.request_head("w" * 300, "sync"), 3),  # 256+ bytes: the general path
+    trailer.request_trailer(HEAD, 0, "x") .replace(b"q\x1fworker0\x1fsync\x1f", b"q\x1fworker0\x1fsync\x1fabc"),
+    trailer.request_trailer(HEAD, 10**25),  # too many digits
+    b"q\x1fonly" + (6).to_bytes(2, "little") + trailer.MAGIC,  # too few fields
+    b"\xff\xfe" + (2).to_bytes(2, "little") + trailer.MAGIC,  # not UTF-8
+    (5000).to_bytes(2, "little") + trailer.MAGIC,  # length out of range
+    b"",  # no trailer
+]
+
+
+@pytest.mark.parametrize("tail", REQUESTS, ids=range(len(REQUESTS)))
+def test_request_fast_path_agrees_with_split(metrics_runtime: runtime.Runtime, tail: bytes) -> None:
+    data = b"PICKLE." + tail
+    udf = PythonUDF(noop, (), {})
+    deserialize = wrap_deserialize(lambda self, d, t: udf)
+    before = health.invalid_contexts[0]
+    size, expected = trailer.split(data)
+    split_invalid = health.invalid_contexts[0] - before
+    obj = deserialize(None, data, [])
+    assert getattr(obj, "rpc_observe_fields", None) == expected
+    assert tuple(obj) == tuple(udf)  # the UDF torch runs is the same
+    assert health.invalid_contexts[0] - before == 2 * split_invalid  # counted by the wrapper as by split
+    records = list(metrics_runtime.metrics._records)
+    assert [r[0] for r in records] == [fold_message] and records[0][2] == size  # payload bytes without trailer
+
+
+@pytest.mark.parametrize("echo", ["5", "0005", "7", "1" * 25, "", "x5"])
+def test_response_fast_path_ends_exactly_the_call_split_names(metrics_runtime: runtime.Runtime, echo: str) -> None:
+    site = ClientSite(metrics_runtime, noop, "sync", "worker0")
+    call = calls.Call(metrics_runtime, site)
+    call.id = 5
+    calls.in_flight[5] = call
+    data = b"RESULT." + trailer._pack(trailer.RESPONSE + trailer.SEP + echo)
+    size, fields = trailer.split(data)
+    named = fields is not None and fields[trailer.RESPONSE_CALL_ID].isdigit() \
+        and int(fields[trailer.RESPONSE_CALL_ID]) == 5
+    result = object()
+    assert wrap_deserialize(lambda self, d, t: result)(None, data, []) is result
+    assert (5 not in calls.in_flight) == named
+    folds = [r[0] for r in metrics_runtime.metrics._records]
+    assert folds.count(fold_finished) == (1 if named else 0)
+    message = next(r for r in metrics_runtime.metrics._records if r[0] is fold_message)
+    assert message[2] == size
