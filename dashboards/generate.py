@@ -12,7 +12,13 @@ Usage::
     python dashboards/generate.py            # rewrite rpc_observe.json
     python dashboards/generate.py --check    # exit 1 if the committed file is stale
 
-Besides the generator this module offers two helpers that need no SDK, for
+``build_dashboard()`` assembles the dashboard's settings, variables and
+annotation and its rows, one function per row (``_overview_row()``,
+``_latency_row()``, ...), built from small panel helpers (``_ts``, ``_stat``,
+``_table``) and PromQL helpers (``_sum_rate``, ``_quantile``, ``_mean``).
+The SDK is imported inside those functions only.
+
+Besides the generator this module offers helpers that need no SDK, for
 tests that run the panels' PromQL against a real Prometheus:
 
 * ``panel_queries(dashboard_json)`` -> ``[(panel_title, expr), ...]``
@@ -29,8 +35,19 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the SDK itself is imported where it is used: the helpers below need none
+    from grafana_foundation_sdk.builders import dashboard as dash
+    from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
+    from grafana_foundation_sdk.cog import builder as cogbuilder
+    from grafana_foundation_sdk.cog import variants as cogvariants
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    # A dashboard row: its title and its panels.
+    _Row = tuple[str, list[cogbuilder.Builder[dm.Panel]]]
 
 SDK_DISTRIBUTION = "grafana_foundation_sdk"
 SDK_VERSION = "1769699379!11.6.0"  # the SDK generated for Grafana v11.6.x
@@ -80,7 +97,13 @@ RPC_METRICS_SELECTOR = '{__name__=~"torch_rpc_.+|rpc_observe_.+"'
 # --------------------------------------------------------------------------
 
 
+def _loaded(dashboard_json: Mapping[str, Any] | str) -> Mapping[str, Any]:
+    """The dashboard as a mapping, parsed first if it is JSON text."""
+    return json.loads(dashboard_json) if isinstance(dashboard_json, str) else dashboard_json
+
+
 def _walk_panels(panels: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:
+    """Every panel, each row followed by the panels it holds (collapsed rows hold theirs)."""
     for panel in panels or ():
         yield panel
         # Collapsed rows keep their panels inside the row.
@@ -94,10 +117,9 @@ def panel_queries(dashboard_json: Mapping[str, Any] | str) -> list[tuple[str, st
     Hidden targets are included (they are still queried by Grafana when other
     targets reference them).
     """
-    if isinstance(dashboard_json, str):
-        dashboard_json = json.loads(dashboard_json)
+    dashboard = _loaded(dashboard_json)
     out: list[tuple[str, str]] = []
-    for panel in _walk_panels(dashboard_json.get("panels") or ()):
+    for panel in _walk_panels(dashboard.get("panels") or ()):
         for target in panel.get("targets") or ():
             expr = target.get("expr")
             if expr:
@@ -107,10 +129,9 @@ def panel_queries(dashboard_json: Mapping[str, Any] | str) -> list[tuple[str, st
 
 def annotation_queries(dashboard_json: Mapping[str, Any] | str) -> list[tuple[str, str]]:
     """Return ``(annotation_name, expr)`` for every Prometheus annotation query."""
-    if isinstance(dashboard_json, str):
-        dashboard_json = json.loads(dashboard_json)
+    dashboard = _loaded(dashboard_json)
     out: list[tuple[str, str]] = []
-    for annotation in (dashboard_json.get("annotations") or {}).get("list") or ():
+    for annotation in (dashboard.get("annotations") or {}).get("list") or ():
         expr = annotation.get("expr") or (annotation.get("target") or {}).get("expr")
         if expr:
             out.append((annotation.get("name", ""), expr))
@@ -126,10 +147,9 @@ def variable_selectors(dashboard_json: Mapping[str, Any] | str) -> list[tuple[st
     The selector is PromQL (after ``substitute_variables``), e.g. for
     ``/api/v1/series?match[]=...``.
     """
-    if isinstance(dashboard_json, str):
-        dashboard_json = json.loads(dashboard_json)
+    dashboard = _loaded(dashboard_json)
     out: list[tuple[str, str, str]] = []
-    for variable in (dashboard_json.get("templating") or {}).get("list") or ():
+    for variable in (dashboard.get("templating") or {}).get("list") or ():
         query = variable.get("query")
         if isinstance(query, dict):
             query = query.get("query")
@@ -174,6 +194,7 @@ def substitute_variables(
         values.update(extra)
 
     def replace(match: re.Match[str]) -> str:
+        """The value of the variable ``match`` found."""
         name = match.group("braced") or match.group("bare") or match.group("old")
         if name not in values:
             raise KeyError(f"no value for Grafana variable ${name} in {expr!r}")
@@ -183,296 +204,337 @@ def substitute_variables(
 
 
 # --------------------------------------------------------------------------
-# The dashboard
+# PromQL shared by the panels (no SDK)
+# --------------------------------------------------------------------------
+
+REQUESTS = "torch_rpc_client_requests_total"
+CLIENT_ERRORS = "torch_rpc_client_errors_total"
+CLIENT_DURATION = "torch_rpc_client_duration_seconds"
+SERVER_DURATION = "torch_rpc_server_duration_seconds"
+
+# Workers whose RPC thread pool is fully busy: the annotation and a stat panel.
+NO_IDLE_EXPR = f"min by (job, worker) (torch_rpc_agent_idle_threads{{{JOB_WORKER}}}) == 0"
+
+
+def _sum_rate(metric: str, by: str | None = None, selector: str = JOB_WORKER_METHOD) -> str:
+    """``sum by (<by>) (rate(<metric>{<selector>}[$__rate_interval]))``; a plain ``sum`` without ``by``."""
+    inner = f"rate({metric}{{{selector}}}[$__rate_interval])"
+    return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
+
+
+def _quantile(q: float, by: str = "le", metric: str = CLIENT_DURATION, selector: str = JOB_WORKER_METHOD) -> str:
+    """The ``q`` quantile of the histogram ``metric`` per ``by`` (which includes ``le``)."""
+    return f"histogram_quantile({q}, {_sum_rate(f'{metric}_bucket', by, selector)})"
+
+
+def _mean(metric: str, by: str, selector: str = JOB_WORKER_METHOD) -> str:
+    """The mean observation of the histogram ``metric`` per ``by``; no value where nothing was observed."""
+    return f"{_sum_rate(f'{metric}_sum', by, selector)} / ({_sum_rate(f'{metric}_count', by, selector)} > 0)"
+
+
+# --------------------------------------------------------------------------
+# The dashboard (the SDK is imported inside the functions, so that the
+# helpers above work without it)
 # --------------------------------------------------------------------------
 
 
-def _sdk():
-    """Import the SDK lazily, so that the helpers above work without it."""
+def _prom_ds() -> dm.DataSourceRef:
+    """The Prometheus datasource picked by the ``datasource`` variable."""
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    return dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+
+def _query(expr: str, legend: str, *, instant: bool = False, fmt: str | None = None) -> prometheus.Dataquery:
+    """A PromQL target: a range query unless ``instant``; ``fmt`` is "table" or "heatmap" if not a time series."""
+    from grafana_foundation_sdk.builders import prometheus
+    from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+    query = prometheus.Dataquery().expr(expr).legend_format(legend).datasource(_prom_ds())
+    query = query.instant() if instant else query.range()
+    return query.format(PromQueryFormat(fmt)) if fmt else query
+
+
+def _ref_ids(queries: Iterable[prometheus.Dataquery]) -> list[cogbuilder.Builder[cogvariants.Dataquery]]:
+    """The queries with ref ids A, B, C, ... in order, as Grafana's query editor names them."""
+    return [query.ref_id(chr(ord("A") + i)) for i, query in enumerate(queries)]
+
+
+def _thresholds(*steps: tuple[float | None, str]) -> dash.ThresholdsConfig:
+    """Absolute thresholds from ``(value, color)`` steps, the first one's value being ``None``."""
+    from grafana_foundation_sdk.builders import dashboard as dash
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    return (dash.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE)
+            .steps([dm.Threshold(value=value, color=color) for value, color in steps]))
+
+
+def _ts(title: str, description: str, unit: str, *targets: prometheus.Dataquery, width: int = 12,
+        links: list[cogbuilder.Builder[dm.DashboardLink]] | None = None,
+        min_zero: bool = True) -> timeseries.Panel:
+    """A time series panel, 8 high, with a table legend and a shared, sorted tooltip."""
+    from grafana_foundation_sdk.builders import common as common_builders
+    from grafana_foundation_sdk.builders import timeseries
+    from grafana_foundation_sdk.models import common
+
+    panel = (timeseries.Panel().title(title).description(description)
+             .datasource(_prom_ds()).unit(unit).span(width).height(8)
+             .line_width(1).fill_opacity(10).show_points(common.VisibilityMode.NEVER)
+             .legend(common_builders.VizLegendOptions().display_mode(common.LegendDisplayMode.TABLE)
+                     .placement(common.LegendPlacement.BOTTOM).show_legend(True)
+                     .calcs(["mean", "max", "lastNotNull"]))
+             .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                      .sort(common.SortOrder.DESCENDING))
+             .targets(_ref_ids(targets)))
+    if min_zero:
+        panel = panel.min(0)
+    if links:
+        panel = panel.data_links(links)
+    return panel
+
+
+def _stat(title: str, description: str, unit: str, decimals: int, *targets: prometheus.Dataquery,
+          red_from: float | None = None) -> stat.Panel:
+    """An 8 x 8 stat panel of the last values; with ``red_from``, green below that value and red from it on."""
     from grafana_foundation_sdk.builders import common as common_builders
     from grafana_foundation_sdk.builders import dashboard as dash
-    from grafana_foundation_sdk.builders import heatmap, prometheus, stat, table, timeseries
-    from grafana_foundation_sdk.cog import builder as cogbuilder
-    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.builders import stat
     from grafana_foundation_sdk.models import common
     from grafana_foundation_sdk.models import dashboard as dm
-    from grafana_foundation_sdk.models import heatmap as heatmap_models
 
-    return (common_builders, dash, heatmap, prometheus, stat, table, timeseries,
-            cogbuilder, JSONEncoder, common, dm, heatmap_models)
+    panel = (stat.Panel().title(title).description(description)
+             .datasource(_prom_ds()).span(8).height(8).unit(unit).decimals(decimals)
+             .targets(_ref_ids(targets))
+             .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
+    if red_from is not None:
+        panel = (panel.thresholds(_thresholds((None, "green"), (red_from, "red")))
+                 .color_scheme(dash.FieldColor().mode(dm.FieldColorModeId.THRESHOLDS))
+                 .color_mode(common.BigValueColorMode.BACKGROUND)
+                 .graph_mode(common.BigValueGraphMode.AREA))
+    return panel
 
 
-def build_dashboard():
-    """Return the dashboard model (``grafana_foundation_sdk.models.dashboard.Dashboard``)."""
-    (common_builders, dash, heatmap, prometheus, stat, table, timeseries,
-     cogbuilder, JSONEncoder, common, dm, heatmap_models) = _sdk()
+def _table(title: str, description: str, expr: str, *transformations: tuple[str, dict[str, Any]],
+           width: int, height: int, decimals: int) -> table.Panel:
+    """A table of an instant query, reshaped by ``(transformer id, options)`` pairs in order."""
+    from grafana_foundation_sdk.builders import table
+    from grafana_foundation_sdk.models import dashboard as dm
 
-    prom_ds = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+    return (table.Panel().title(title).description(description)
+            .datasource(_prom_ds()).span(width).height(height).decimals(decimals)
+            .targets(_ref_ids([_query(expr, "", instant=True, fmt="table")]))
+            .transformations([dm.DataTransformerConfig(id_val=id_val, options=options)
+                              for id_val, options in transformations]))
 
-    # -- small extensions of the SDK's models ------------------------------
 
-    class _DataLink(dm.DashboardLink):
-        """A field data link: an external URL, or an internal link to Explore."""
+def _matrix_table(title: str, description: str, unit: str, expr: str) -> table.Panel:
+    """A worker x destination table of ``expr``, which is summed by (worker, dst)."""
+    return _table(title, description, expr,
+                  ("groupingToMatrix", {"rowField": "worker", "columnField": "dst", "valueField": "Value",
+                                        "emptyValue": "zero"}),
+                  ("organize", {"renameByName": {"worker\\dst": "worker → dst"}}),
+                  width=12, height=9, decimals=2).unit(unit)
 
-        def __init__(self, title: str, url: str = "", internal: dict | None = None) -> None:
-            super().__init__(title=title, url=url, target_blank=not internal)
+
+def _trace_links(by_method: bool,
+                 service: str = TRACE_SERVICE_FROM_VARIABLE) -> list[cogbuilder.Builder[dm.DashboardLink]]:
+    """Links from a latency point to traces at least that slow, in the Jaeger UI and in Grafana Explore.
+
+    ``${__value.raw}`` is the clicked latency in seconds, a valid Go
+    duration with an "s" appended, which is what Jaeger's minDuration takes.
+    Jaeger's search needs a service: ``service`` is the series' worker or
+    the ``trace_service`` variable.
+    """
+    from grafana_foundation_sdk.cog import builder as cogbuilder
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    class DataLink(dm.DashboardLink, cogbuilder.Builder[dm.DashboardLink]):
+        """A field data link (the SDK has none), its own builder: an external URL, or an ``internal`` link."""
+
+        def __init__(self, title: str, url: str = "", internal: dict[str, Any] | None = None) -> None:
+            super().__init__(title=title, url=url, target_blank=internal is None)
             self.internal = internal
 
-        def to_json(self) -> dict[str, object]:
-            payload: dict[str, object] = {"title": self.title, "url": self.url or ""}
-            if self.internal is not None:
-                payload["internal"] = self.internal
-            else:
-                payload["targetBlank"] = self.target_blank
-            return payload
-
-    class DataLink(cogbuilder.Builder[dm.DashboardLink]):
-        def __init__(self, title: str, url: str = "", internal: dict | None = None) -> None:
-            self._internal = _DataLink(title, url, internal)
-
         def build(self) -> dm.DashboardLink:
-            return self._internal
+            return self
 
-    class _PromAnnotation(dm.AnnotationQuery):
-        """A Prometheus annotation query with the fields Grafana's editor sets."""
+        def to_json(self) -> dict[str, object]:
+            if self.internal is None:
+                return {"title": self.title, "url": self.url, "targetBlank": self.target_blank}
+            return {"title": self.title, "url": self.url, "internal": self.internal}
+
+    tags_url = ""
+    tags_query = ""
+    if by_method:
+        # {"rpc.method":"<method>"}, URL-encoded around the (Grafana-encoded) value.
+        tags_url = f"&tags=%7B%22{TRACE_METHOD_ATTRIBUTE}%22%3A%22${{__field.labels.method}}%22%7D"
+        tags_query = f'{TRACE_METHOD_ATTRIBUTE}="${{__field.labels.method}}"'
+    jaeger_url = (f"{JAEGER_UI_URL}/search?service={service}{tags_url}"
+                  "&minDuration=${__value.raw}s&lookback=custom"
+                  "&start=${__from}000&end=${__to}000&limit=20")
+    explore_query: dict[str, Any] = {
+        "refId": "A",
+        "datasource": {"type": "jaeger", "uid": JAEGER_UID},
+        "queryType": "search",
+        "service": service,
+        "minDuration": "${__value.raw}s",
+        "limit": 20,
+    }
+    if tags_query:
+        explore_query["tags"] = tags_query
+    suffix = " of this method" if by_method else ""
+    return [
+        DataLink(f"Traces{suffix} slower than ${{__value.text}} (Jaeger UI)", url=jaeger_url),
+        DataLink(f"Traces{suffix} slower than ${{__value.text}} (Grafana Explore)",
+                 internal={"datasourceUid": JAEGER_UID, "datasourceName": JAEGER_NAME, "query": explore_query}),
+    ]
+
+
+def _query_variable(name: str, label: str, definition: str, *, multi: bool = True) -> dash.QueryVariable:
+    """A variable of label values, refreshed with the time range; if ``multi``, with "All" meaning ``.*``."""
+    from grafana_foundation_sdk.builders import dashboard as dash
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    variable = (dash.QueryVariable(name).label(label).datasource(_prom_ds()).query(definition)
+                .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+                .sort(dm.VariableSort.ALPHABETICAL_ASC)
+                .multi(multi).include_all(multi))
+    if multi:
+        variable = (variable.all_value(ALL_VALUE)
+                    .current(dm.VariableOption(text=["All"], value=["$__all"], selected=True)))
+    return variable
+
+
+def _variables() -> list[cogbuilder.Builder[dm.VariableModel]]:
+    """The datasource, the job / worker / method filters, and the service the trace links search."""
+    from grafana_foundation_sdk.builders import dashboard as dash
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    return [
+        (dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
+         .current(dm.VariableOption(text=PROMETHEUS_NAME, value=PROMETHEUS_UID, selected=True))),
+        _query_variable("job", "Job", f"label_values({RPC_METRICS_SELECTOR}}}, job)"),
+        _query_variable("worker", "Worker", f'label_values({RPC_METRICS_SELECTOR}, job=~"$job"}}, worker)'),
+        _query_variable(
+            "method", "Method",
+            'label_values({__name__=~"torch_rpc_client_requests_total|'
+            'torch_rpc_server_duration_seconds_count|torch_rpc_serialized_bytes_count", '
+            'job=~"$job", worker=~"$worker"}, method)'),
+        (_query_variable("trace_service", "Trace service",
+                         f'label_values({RPC_METRICS_SELECTOR}, job=~"$job", worker=~"$worker"}}, worker)',
+                         multi=False)
+         .description("service.name whose traces the latency panels link to: rpc_observe names "
+                      "spans after the worker, unless the job sets OTEL_SERVICE_NAME (type it)")
+         .allow_custom_value(True)),
+    ]
+
+
+def _no_idle_annotation() -> cogbuilder.Builder[dm.AnnotationQuery]:
+    """The annotation marking the times when a worker has no idle RPC thread."""
+    from grafana_foundation_sdk.cog import builder as cogbuilder
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    class PromAnnotation(dm.AnnotationQuery, cogbuilder.Builder[dm.AnnotationQuery]):
+        """A Prometheus annotation query with the fields Grafana's editor sets, its own builder."""
 
         def __init__(self, title_format: str, tag_keys: str, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.title_format = title_format
             self.tag_keys = tag_keys
 
-        def to_json(self) -> dict[str, object]:
-            payload = super().to_json()
-            payload.update({
-                "titleFormat": self.title_format,
-                "tagKeys": self.tag_keys,
-                "textFormat": "",
-                "step": "",
-                "useValueForTime": False,
-            })
-            return payload
-
-    class PromAnnotation(cogbuilder.Builder[dm.AnnotationQuery]):
-        def __init__(self, **kwargs: Any) -> None:
-            self._internal = _PromAnnotation(**kwargs)
-
         def build(self) -> dm.AnnotationQuery:
-            return self._internal
+            return self
 
-    # -- building blocks ---------------------------------------------------
+        def to_json(self) -> dict[str, object]:
+            return {**super().to_json(), "titleFormat": self.title_format, "tagKeys": self.tag_keys,
+                    "textFormat": "", "step": "", "useValueForTime": False}
 
-    def query(expr: str, legend: str = "__auto", ref: str = "A", *, instant: bool = False,
-              fmt: str | None = None):
-        q = (prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref)
-             .datasource(prom_ds))
-        q = q.instant() if instant else q.range()
-        if fmt == "table":
-            from grafana_foundation_sdk.models.prometheus import PromQueryFormat
-            q = q.format(PromQueryFormat.TABLE)
-        elif fmt == "heatmap":
-            from grafana_foundation_sdk.models.prometheus import PromQueryFormat
-            q = q.format(PromQueryFormat.HEATMAP)
-        return q
+    return PromAnnotation(
+        name="No idle RPC threads", datasource=_prom_ds(), enable=True, hide=False, icon_color="red",
+        expr=NO_IDLE_EXPR, title_format="No idle RPC threads on {{worker}}", tag_keys="worker")
 
-    def thresholds(*steps: tuple[float | None, str]):
-        return (dash.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE)
-                .steps([dm.Threshold(value=v, color=c) for v, c in steps]))
 
-    def legend_table():
-        return (common_builders.VizLegendOptions().display_mode(common.LegendDisplayMode.TABLE)
-                .placement(common.LegendPlacement.BOTTOM).show_legend(True)
-                .calcs(["mean", "max", "lastNotNull"]))
+# -- rows: each returns its title and its panels ------------------------------
 
-    def ts(title: str, description: str, unit: str, *targets, width: int = 12, height: int = 8,
-           links=None, min_zero: bool = True):
-        """A time series panel with a table legend and a shared, sorted tooltip."""
-        panel = (timeseries.Panel().title(title).description(description)
-                 .datasource(prom_ds).unit(unit).span(width).height(height)
-                 .line_width(1).fill_opacity(10).show_points(common.VisibilityMode.NEVER)
-                 .legend(legend_table())
-                 .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
-                          .sort(common.SortOrder.DESCENDING)))
-        if min_zero:
-            panel = panel.min(0)
-        for target in targets:
-            panel = panel.with_target(target)
-        if links:
-            panel = panel.data_links(links)
-        return panel
 
-    def row(title: str):
-        return dash.Row(title)
-
-    def trace_links(by_method: bool, service: str = TRACE_SERVICE_FROM_VARIABLE) -> list:
-        """Links from a latency point to traces at least that slow.
-
-        ``${__value.raw}`` is the clicked latency in seconds, a valid Go
-        duration with an "s" appended, which is what Jaeger's minDuration takes.
-        Jaeger's search needs a service: ``service`` is the series' worker or
-        the ``trace_service`` variable.
-        """
-        tags_url = ""
-        tags_query = ""
-        if by_method:
-            # {"rpc.method":"<method>"}, URL-encoded around the (Grafana-encoded) value.
-            tags_url = (f"&tags=%7B%22{TRACE_METHOD_ATTRIBUTE}%22%3A%22"
-                        "${__field.labels.method}%22%7D")
-            tags_query = f'{TRACE_METHOD_ATTRIBUTE}="${{__field.labels.method}}"'
-        jaeger_url = (f"{JAEGER_UI_URL}/search?service={service}{tags_url}"
-                      "&minDuration=${__value.raw}s&lookback=custom"
-                      "&start=${__from}000&end=${__to}000&limit=20")
-        explore_query = {
-            "refId": "A",
-            "datasource": {"type": "jaeger", "uid": JAEGER_UID},
-            "queryType": "search",
-            "service": service,
-            "minDuration": "${__value.raw}s",
-            "limit": 20,
-        }
-        if tags_query:
-            explore_query["tags"] = tags_query
-        suffix = " of this method" if by_method else ""
-        return [
-            DataLink(f"Traces{suffix} slower than ${{__value.text}} (Jaeger UI)", url=jaeger_url),
-            DataLink(f"Traces{suffix} slower than ${{__value.text}} (Grafana Explore)",
-                     internal={"datasourceUid": JAEGER_UID, "datasourceName": JAEGER_NAME,
-                               "query": explore_query}),
-        ]
-
-    # -- variables -----------------------------------------------------------
-
-    def query_variable(name: str, label: str, definition: str):
-        return (dash.QueryVariable(name).label(label).datasource(prom_ds).query(definition)
-                .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
-                .sort(dm.VariableSort.ALPHABETICAL_ASC)
-                .multi(True).include_all(True).all_value(ALL_VALUE)
-                .current(dm.VariableOption(text=["All"], value=["$__all"], selected=True)))
-
-    variables = [
-        (dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
-         .current(dm.VariableOption(text=PROMETHEUS_NAME, value=PROMETHEUS_UID, selected=True))),
-        query_variable("job", "Job", f"label_values({RPC_METRICS_SELECTOR}}}, job)"),
-        query_variable("worker", "Worker",
-                       f'label_values({RPC_METRICS_SELECTOR}, job=~"$job"}}, worker)'),
-        query_variable(
-            "method", "Method",
-            'label_values({__name__=~"torch_rpc_client_requests_total|'
-            'torch_rpc_server_duration_seconds_count|torch_rpc_serialized_bytes_count", '
-            'job=~"$job", worker=~"$worker"}, method)'),
-        (dash.QueryVariable("trace_service").label("Trace service")
-         .description("service.name whose traces the latency panels link to: rpc_observe names "
-                      "spans after the worker, unless the job sets OTEL_SERVICE_NAME (type it)")
-         .datasource(prom_ds)
-         .query(f'label_values({RPC_METRICS_SELECTOR}, job=~"$job", worker=~"$worker"}}, worker)')
-         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
-         .sort(dm.VariableSort.ALPHABETICAL_ASC)
-         .multi(False).include_all(False).allow_custom_value(True)),
+def _overview_row() -> _Row:
+    """Call rate, error ratio, client latency quantiles and in-flight calls."""
+    return "Overview", [
+        _ts("RPC rate by method and mode",
+            "Calls started per second by the selected workers, per function and call mode "
+            "(rpc_sync, rpc_async, remote).", "reqps",
+            _query(_sum_rate(REQUESTS, "method, mode"), "{{method}} {{mode}}"), width=6),
+        _ts("Error ratio by method",
+            "Share of the calls started by the selected workers that ended in an error "
+            "(exception raised by the callee, timeout, connection error).", "percentunit",
+            _query(f"({_sum_rate(CLIENT_ERRORS, 'method')} or 0 * {_sum_rate(REQUESTS, 'method')})"
+                   f" / ({_sum_rate(REQUESTS, 'method')} > 0)", "{{method}}"),
+            width=6),
+        _ts("Client latency p50 / p95 / p99",
+            "Duration seen by the caller, from the call until its result (or future) is ready. "
+            "Click a point to open the traces at least that slow.", "s",
+            _query(_quantile(0.5), "p50"),
+            _query(_quantile(0.95), "p95"),
+            _query(_quantile(0.99), "p99"),
+            width=6, links=_trace_links(by_method=False)),
+        _ts("In-flight calls",
+            "Calls started by the worker whose result has not arrived yet, per destination.", "short",
+            _query(f"sum by (worker, dst) (torch_rpc_client_in_flight{{{JOB_WORKER}}})", "{{worker}} → {{dst}}"),
+            width=6),
     ]
 
-    # -- annotations ---------------------------------------------------------
 
-    no_idle_expr = f"min by (job, worker) (torch_rpc_agent_idle_threads{{{JOB_WORKER}}}) == 0"
-    annotations = [
-        PromAnnotation(
-            name="No idle RPC threads", datasource=prom_ds, enable=True, hide=False,
-            icon_color="red", expr=no_idle_expr,
-            title_format="No idle RPC threads on {{worker}}", tag_keys="worker"),
+def _latency_row() -> _Row:
+    """Client vs server latency per method, per worker and per peer, and serialization time."""
+    client_mean = _mean(CLIENT_DURATION, "method")
+    server_mean = _mean(SERVER_DURATION, "method", JOB_SRC_METHOD)
+    return "Latency breakdown", [
+        _ts("Client vs server latency p95 by method",
+            "p95 of the caller's duration and of the callee's run time for the calls made by the "
+            "selected workers (server series are matched on src = worker).", "s",
+            _query(_quantile(0.95, "le, method"), "client {{method}}"),
+            _query(_quantile(0.95, "le, method", SERVER_DURATION, JOB_SRC_METHOD), "server {{method}}"),
+            links=_trace_links(by_method=True)),
+        _ts("Mean duration: client, server and the difference",
+            "Mean duration per call. The difference (client − server) is the time outside the "
+            "remote function: serialization, transport and queueing for a free RPC thread.", "s",
+            _query(client_mean, "client {{method}}"),
+            _query(server_mean, "server {{method}}"),
+            _query(f"{client_mean} - {server_mean}", "transport+queueing+serialization {{method}}"),
+            links=_trace_links(by_method=True), min_zero=False),
+        _ts("Client latency p95 by worker",
+            "Caller-side p95 per calling worker. Click a point for that worker's slow traces.", "s",
+            _query(_quantile(0.95, "le, worker"), "{{worker}}"),
+            width=8, links=_trace_links(by_method=False, service=TRACE_SERVICE_FROM_SERIES)),
+        _ts("Client latency p95 by destination",
+            "Caller-side p95 per peer: one slow peer stands out here.", "s",
+            _query(_quantile(0.95, "le, dst"), "{{dst}}"),
+            width=8, links=_trace_links(by_method=False)),
+        _ts("Serialization time p95 by direction",
+            "Time spent pickling (serialize) and unpickling (deserialize) RPC messages.", "s",
+            _query(_quantile(0.95, "le, direction, message", "torch_rpc_serialization_seconds"),
+                   "{{direction}} {{message}}"),
+            width=8),
     ]
 
-    # -- rows and panels -----------------------------------------------------
 
-    def client_quantile(q: float, by: str = "le") -> str:
-        return (f"histogram_quantile({q}, sum by ({by}) (rate(torch_rpc_client_duration_seconds_bucket"
-                f"{{{JOB_WORKER_METHOD}}}[$__rate_interval])))")
+def _payload_row() -> _Row:
+    """Serialized bytes and message sizes, tensors per message, and storage bytes sent outside tensors."""
+    from grafana_foundation_sdk.builders import heatmap
+    from grafana_foundation_sdk.models import common
+    from grafana_foundation_sdk.models import heatmap as heatmap_models
 
-    def server_quantile(q: float, by: str = "le") -> str:
-        return (f"histogram_quantile({q}, sum by ({by}) (rate(torch_rpc_server_duration_seconds_bucket"
-                f"{{{JOB_SRC_METHOD}}}[$__rate_interval])))")
-
-    def mean(metric: str, selector: str, by: str) -> str:
-        return (f"sum by ({by}) (rate({metric}_sum{{{selector}}}[$__rate_interval]))"
-                f" / (sum by ({by}) (rate({metric}_count{{{selector}}}[$__rate_interval])) > 0)")
-
-    requests = f"rate(torch_rpc_client_requests_total{{{JOB_WORKER_METHOD}}}[$__rate_interval])"
-    client_errors = f"rate(torch_rpc_client_errors_total{{{JOB_WORKER_METHOD}}}[$__rate_interval])"
-
-    overview = [
-        ts("RPC rate by method and mode",
-           "Calls started per second by the selected workers, per function and call mode "
-           "(rpc_sync, rpc_async, remote).", "reqps",
-           query(f"sum by (method, mode) ({requests})", "{{method}} {{mode}}"), width=6),
-        ts("Error ratio by method",
-           "Share of the calls started by the selected workers that ended in an error "
-           "(exception raised by the callee, timeout, connection error).", "percentunit",
-           query(f"(sum by (method) ({client_errors}) or 0 * sum by (method) ({requests}))"
-                 f" / (sum by (method) ({requests}) > 0)", "{{method}}"),
-           width=6),
-        ts("Client latency p50 / p95 / p99",
-           "Duration seen by the caller, from the call until its result (or future) is ready. "
-           "Click a point to open the traces at least that slow.", "s",
-           query(client_quantile(0.5), "p50", "A"),
-           query(client_quantile(0.95), "p95", "B"),
-           query(client_quantile(0.99), "p99", "C"),
-           width=6, links=trace_links(by_method=False)),
-        ts("In-flight calls",
-           "Calls started by the worker whose result has not arrived yet, per destination.",
-           "short",
-           query(f"sum by (worker, dst) (torch_rpc_client_in_flight{{{JOB_WORKER}}})",
-                 "{{worker}} → {{dst}}"),
-           width=6),
-    ]
-
-    latency = [
-        ts("Client vs server latency p95 by method",
-           "p95 of the caller's duration and of the callee's run time for the calls made by the "
-           "selected workers (server series are matched on src = worker).", "s",
-           query(client_quantile(0.95, "le, method"), "client {{method}}", "A"),
-           query(server_quantile(0.95, "le, method"), "server {{method}}", "B"),
-           links=trace_links(by_method=True)),
-        ts("Mean duration: client, server and the difference",
-           "Mean duration per call. The difference (client − server) is the time outside the "
-           "remote function: serialization, transport and queueing for a free RPC thread.", "s",
-           query(mean("torch_rpc_client_duration_seconds", JOB_WORKER_METHOD, "method"),
-                 "client {{method}}", "A"),
-           query(mean("torch_rpc_server_duration_seconds", JOB_SRC_METHOD, "method"),
-                 "server {{method}}", "B"),
-           query(f"{mean('torch_rpc_client_duration_seconds', JOB_WORKER_METHOD, 'method')}"
-                 f" - {mean('torch_rpc_server_duration_seconds', JOB_SRC_METHOD, 'method')}",
-                 "transport+queueing+serialization {{method}}", "C"),
-           links=trace_links(by_method=True), min_zero=False),
-        ts("Client latency p95 by worker",
-           "Caller-side p95 per calling worker. Click a point for that worker's slow traces.", "s",
-           query(client_quantile(0.95, "le, worker"), "{{worker}}"),
-           width=8, links=trace_links(by_method=False, service=TRACE_SERVICE_FROM_SERIES)),
-        ts("Client latency p95 by destination",
-           "Caller-side p95 per peer: one slow peer stands out here.", "s",
-           query(client_quantile(0.95, "le, dst"), "{{dst}}"),
-           width=8, links=trace_links(by_method=False)),
-        ts("Serialization time p95 by direction",
-           "Time spent pickling (serialize) and unpickling (deserialize) RPC messages.", "s",
-           query("histogram_quantile(0.95, sum by (le, direction, message) "
-                 f"(rate(torch_rpc_serialization_seconds_bucket{{{JOB_WORKER_METHOD}}}"
-                 "[$__rate_interval])))", "{{direction}} {{message}}"),
-           width=8),
-    ]
-
-    def payload_sum_rate(metric: str, by: str | None = None) -> str:
-        inner = f"rate({metric}_sum{{{JOB_WORKER_METHOD}}}[$__rate_interval])"
-        return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
-
-    wasted_expr = (f"1 - {payload_sum_rate('torch_rpc_tensor_bytes')}"
-                   f" / ({payload_sum_rate('torch_rpc_tensor_storage_bytes')} > 0)")
-
-    payload = [
-        ts("Serialized bytes/s by direction",
-           "Bytes of pickled RPC messages (requests and responses) per second.", "Bps",
-           query(payload_sum_rate("torch_rpc_serialized_bytes", "direction"), "{{direction}}"),
-           width=8),
+    tensor_bytes = _sum_rate("torch_rpc_tensor_bytes_sum")
+    storage_bytes = _sum_rate("torch_rpc_tensor_storage_bytes_sum")
+    return "Payload", [
+        _ts("Serialized bytes/s by direction",
+            "Bytes of pickled RPC messages (requests and responses) per second.", "Bps",
+            _query(_sum_rate("torch_rpc_serialized_bytes_sum", "direction"), "{{direction}}"),
+            width=8),
         (heatmap.Panel().title("Bytes per message")
          .description("Distribution of serialized message sizes, from the histogram buckets.")
-         .datasource(prom_ds).span(8).height(8)
-         .with_target(query(f"sum by (le) (rate(torch_rpc_serialized_bytes_bucket{{{JOB_WORKER_METHOD}}}"
-                            "[$__rate_interval]))", "{{le}}", fmt="heatmap"))
+         .datasource(_prom_ds()).span(8).height(8)
+         .targets(_ref_ids([_query(_sum_rate("torch_rpc_serialized_bytes_bucket", "le"), "{{le}}", fmt="heatmap")]))
          .calculate(False)
          .color(heatmap.HeatmapColorOptions().mode(heatmap_models.HeatmapColorMode.SCHEME)
                 .scheme("Oranges").scale(heatmap_models.HeatmapColorScale.EXPONENTIAL)
@@ -481,133 +543,118 @@ def build_dashboard():
          .cell_gap(1)
          .mode(common.TooltipDisplayMode.SINGLE).show_y_histogram()
          .show_legend()),
-        ts("Tensors per message",
-           "Mean number of tensors carried by a message.", "short",
-           query(mean("torch_rpc_serialized_tensors", JOB_WORKER_METHOD, "direction, message"),
-                 "{{direction}} {{message}}"),
-           width=8),
-        ts("Tensor bytes vs storage bytes",
-           "Bytes of the tensors themselves vs bytes of the storages sent with them. A tensor "
-           "that is a view of a larger storage sends the whole storage.", "Bps",
-           query(payload_sum_rate("torch_rpc_tensor_bytes"), "tensor bytes", "A"),
-           query(payload_sum_rate("torch_rpc_tensor_storage_bytes"), "storage bytes", "B"),
-           width=16),
-        (stat.Panel().title("Wasted storage ratio")
-         .description("1 − tensor bytes / storage bytes over the selected calls. Red above "
-                      f"{WASTED_STORAGE_RED:g}: most bytes sent are storage outside the tensors; "
-                      "send .clone() or .contiguous() copies of small views.")
-         .datasource(prom_ds).span(8).height(8).unit("percentunit").decimals(1).min(0).max(1)
-         .with_target(query(wasted_expr, "wasted"))
-         .thresholds(thresholds((None, "green"), (WASTED_STORAGE_RED, "red")))
-         .color_scheme(dash.FieldColor().mode(dm.FieldColorModeId.THRESHOLDS))
-         .color_mode(common.BigValueColorMode.BACKGROUND)
-         .graph_mode(common.BigValueGraphMode.AREA)
-         .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False))),
+        _ts("Tensors per message",
+            "Mean number of tensors carried by a message.", "short",
+            _query(_mean("torch_rpc_serialized_tensors", "direction, message"), "{{direction}} {{message}}"),
+            width=8),
+        _ts("Tensor bytes vs storage bytes",
+            "Bytes of the tensors themselves vs bytes of the storages sent with them. A tensor "
+            "that is a view of a larger storage sends the whole storage.", "Bps",
+            _query(tensor_bytes, "tensor bytes"),
+            _query(storage_bytes, "storage bytes"),
+            width=16),
+        (_stat("Wasted storage ratio",
+               "1 − tensor bytes / storage bytes over the selected calls. Red above "
+               f"{WASTED_STORAGE_RED:g}: most bytes sent are storage outside the tensors; "
+               "send .clone() or .contiguous() copies of small views.", "percentunit", 1,
+               _query(f"1 - {tensor_bytes} / ({storage_bytes} > 0)", "wasted"),
+               red_from=WASTED_STORAGE_RED)
+         .min(0).max(1)),
     ]
 
-    def matrix_table(title: str, description: str, unit: str, expr: str):
-        return (table.Panel().title(title).description(description)
-                .datasource(prom_ds).span(12).height(9).unit(unit).decimals(2)
-                .with_target(query(expr, "", instant=True, fmt="table"))
-                .with_transformation(dm.DataTransformerConfig(
-                    id_val="groupingToMatrix",
-                    options={"rowField": "worker", "columnField": "dst", "valueField": "Value",
-                             "emptyValue": "zero"}))
-                .with_transformation(dm.DataTransformerConfig(
-                    id_val="organize",
-                    options={"renameByName": {"worker\\dst": "worker → dst"}})))
 
-    traffic = [
-        matrix_table("Bytes/s from worker to peer",
-                     "Request bytes (pickled payload + tensor storages) each worker sends to "
-                     "each destination. Rows: sending worker; columns: destination.", "Bps",
-                     f"sum by (worker, dst) (rate(torch_rpc_client_sent_bytes_total{{{JOB_WORKER}}}"
-                     "[$__rate_interval]))"),
-        matrix_table("Calls/s from worker to peer",
-                     "Calls each worker starts to each destination. Rows: calling worker; "
-                     "columns: destination.", "reqps",
-                     f"sum by (worker, dst) ({requests})"),
+def _traffic_row() -> _Row:
+    """Bytes and calls from each worker to each peer."""
+    return "Traffic matrix", [
+        _matrix_table("Bytes/s from worker to peer",
+                      "Request bytes (pickled payload + tensor storages) each worker sends to "
+                      "each destination. Rows: sending worker; columns: destination.", "Bps",
+                      _sum_rate("torch_rpc_client_sent_bytes_total", "worker, dst", JOB_WORKER)),
+        _matrix_table("Calls/s from worker to peer",
+                      "Calls each worker starts to each destination. Rows: calling worker; "
+                      "columns: destination.", "reqps",
+                      _sum_rate(REQUESTS, "worker, dst")),
     ]
 
-    idle_threshold_style = common_builders.GraphThresholdsStyleConfig().mode(
-        common.GraphThresholdsStyleMode.LINE_AND_AREA)
-    saturation = [
-        ts("RPC thread pool size", "Threads of the RPC agent's pool (TensorPipe num_worker_threads).",
-           "short",
-           query(f"sum by (worker) (torch_rpc_agent_threads{{{JOB_WORKER}}})", "{{worker}}"),
-           width=8),
-        (ts("Idle RPC threads",
-            "Idle threads of the RPC agent's pool. At 0 incoming calls queue up (red band; the "
-            "dashboard annotation 'No idle RPC threads' marks those times).", "short",
-            query(f"sum by (worker) (torch_rpc_agent_idle_threads{{{JOB_WORKER}}})", "{{worker}}"),
-            width=8)
-         .thresholds(thresholds((None, "red"), (1, "transparent")))
-         .thresholds_style(idle_threshold_style)),
-        (stat.Panel().title("Workers with no idle RPC thread")
-         .description("Number of selected workers whose RPC thread pool is fully busy now.")
-         .datasource(prom_ds).span(8).height(8).unit("short").decimals(0)
-         .with_target(query(f"count({no_idle_expr}) or vector(0)", "workers"))
-         .thresholds(thresholds((None, "green"), (1, "red")))
-         .color_scheme(dash.FieldColor().mode(dm.FieldColorModeId.THRESHOLDS))
-         .color_mode(common.BigValueColorMode.BACKGROUND)
-         .graph_mode(common.BigValueGraphMode.AREA)
-         .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False))),
-        ts("Active calls by side",
-           "Calls the agent is working on: client (sent, awaiting a reply), server (running a "
-           "remote function) and async (user functions returning futures).", "short",
-           query(f"sum by (worker, side) (torch_rpc_agent_active_calls{{{JOB_WORKER}}})",
-                 "{{worker}} {{side}}")),
-        ts("GIL wait", "Average time the RPC agent's threads wait for the GIL (reported when "
-           "torch's RPC GIL profiling is on).", "s",
-           query(f"max by (worker) (torch_rpc_agent_gil_wait_seconds{{{JOB_WORKER}}})",
-                 "{{worker}}")),
+
+def _saturation_row() -> _Row:
+    """The RPC agent's thread pool, its busy workers, active calls and GIL wait."""
+    from grafana_foundation_sdk.builders import common as common_builders
+    from grafana_foundation_sdk.models import common
+
+    return "Saturation", [
+        _ts("RPC thread pool size", "Threads of the RPC agent's pool (TensorPipe num_worker_threads).", "short",
+            _query(f"sum by (worker) (torch_rpc_agent_threads{{{JOB_WORKER}}})", "{{worker}}"),
+            width=8),
+        (_ts("Idle RPC threads",
+             "Idle threads of the RPC agent's pool. At 0 incoming calls queue up (red band; the "
+             "dashboard annotation 'No idle RPC threads' marks those times).", "short",
+             _query(f"sum by (worker) (torch_rpc_agent_idle_threads{{{JOB_WORKER}}})", "{{worker}}"),
+             width=8)
+         .thresholds(_thresholds((None, "red"), (1, "transparent")))
+         .thresholds_style(common_builders.GraphThresholdsStyleConfig()
+                           .mode(common.GraphThresholdsStyleMode.LINE_AND_AREA))),
+        _stat("Workers with no idle RPC thread",
+              "Number of selected workers whose RPC thread pool is fully busy now.", "short", 0,
+              _query(f"count({NO_IDLE_EXPR}) or vector(0)", "workers"),
+              red_from=1),
+        _ts("Active calls by side",
+            "Calls the agent is working on: client (sent, awaiting a reply), server (running a "
+            "remote function) and async (user functions returning futures).", "short",
+            _query(f"sum by (worker, side) (torch_rpc_agent_active_calls{{{JOB_WORKER}}})", "{{worker}} {{side}}")),
+        _ts("GIL wait", "Average time the RPC agent's threads wait for the GIL (reported when "
+            "torch's RPC GIL profiling is on).", "s",
+            _query(f"max by (worker) (torch_rpc_agent_gil_wait_seconds{{{JOB_WORKER}}})", "{{worker}}")),
     ]
 
-    errors = [
-        ts("Client errors/s by exception and method",
-           "Failed calls seen by the caller, by exception class (or timeout / connection_error).",
-           "reqps",
-           query(f"sum by (exception, method) ({client_errors})", "{{exception}} {{method}}")),
-        ts("Server errors/s by exception and method",
-           "Exceptions raised by remote functions running on the selected workers.", "reqps",
-           query("sum by (exception, method) (rate(torch_rpc_server_errors_total"
-                 f"{{{JOB_WORKER_METHOD}}}[$__rate_interval]))", "{{exception}} {{method}}")),
-        (table.Panel().title("Client errors in the time range")
-         .description("Failed calls over the dashboard's time range, per caller, destination, "
-                      "method and exception.")
-         .datasource(prom_ds).span(24).height(8).decimals(0)
-         .with_target(query("sum by (worker, dst, method, exception) (increase("
-                            f"torch_rpc_client_errors_total{{{JOB_WORKER_METHOD}}}[$__range])) > 0",
-                            "", instant=True, fmt="table"))
-         .with_transformation(dm.DataTransformerConfig(
-             id_val="organize",
-             options={"excludeByName": {"Time": True},
-                      "renameByName": {"Value": "errors"}}))),
+
+def _errors_row() -> _Row:
+    """Client and server errors per second, and the client errors of the time range."""
+    return "Errors", [
+        _ts("Client errors/s by exception and method",
+            "Failed calls seen by the caller, by exception class (or timeout / connection_error).", "reqps",
+            _query(_sum_rate(CLIENT_ERRORS, "exception, method"), "{{exception}} {{method}}")),
+        _ts("Server errors/s by exception and method",
+            "Exceptions raised by remote functions running on the selected workers.", "reqps",
+            _query(_sum_rate("torch_rpc_server_errors_total", "exception, method"), "{{exception}} {{method}}")),
+        _table("Client errors in the time range",
+               "Failed calls over the dashboard's time range, per caller, destination, method and exception.",
+               "sum by (worker, dst, method, exception) "
+               f"(increase({CLIENT_ERRORS}{{{JOB_WORKER_METHOD}}}[$__range])) > 0",
+               ("organize", {"excludeByName": {"Time": True}, "renameByName": {"Value": "errors"}}),
+               width=24, height=8, decimals=0),
     ]
 
-    health = [
-        ts("Add-on internal errors/s",
-           "Errors rpc_observe caught in its own code, by place. The RPC itself is unaffected; "
-           "its telemetry may be incomplete.", "short",
-           query("sum by (worker, where) (rate(rpc_observe_internal_errors_total"
-                 f"{{{JOB_WORKER}}}[$__rate_interval]))", "{{worker}} {{where}}"),
-           width=8),
-        ts("Dropped spans/s",
-           "Spans rpc_observe dropped (export queue full or exporter failing).", "short",
-           query("sum by (worker) (rate(rpc_observe_spans_dropped_total"
-                 f"{{{JOB_WORKER}}}[$__rate_interval]))", "{{worker}}"),
-           width=8),
-        (stat.Panel().title("Workers scraped")
-         .description("Workers whose metrics endpoint Prometheus scraped successfully / all "
-                      "workers listed in the run directory's targets/.")
-         .datasource(prom_ds).span(8).height(8).unit("short").decimals(0)
-         .with_target(query(f"sum(up{{{JOB_WORKER}}})", "up", "A"))
-         .with_target(query(f"count(up{{{JOB_WORKER}}})", "targets", "B"))
+
+def _health_row() -> _Row:
+    """rpc_observe's own errors, dropped spans, and the workers Prometheus scrapes."""
+    from grafana_foundation_sdk.models import common
+
+    return "Add-on health", [
+        _ts("Add-on internal errors/s",
+            "Errors rpc_observe caught in its own code, by place. The RPC itself is unaffected; "
+            "its telemetry may be incomplete.", "short",
+            _query(_sum_rate("rpc_observe_internal_errors_total", "worker, where", JOB_WORKER), "{{worker}} {{where}}"),
+            width=8),
+        _ts("Dropped spans/s",
+            "Spans rpc_observe dropped (export queue full or exporter failing).", "short",
+            _query(_sum_rate("rpc_observe_spans_dropped_total", "worker", JOB_WORKER), "{{worker}}"),
+            width=8),
+        (_stat("Workers scraped",
+               "Workers whose metrics endpoint Prometheus scraped successfully / all "
+               "workers listed in the run directory's targets/.", "short", 0,
+               _query(f"sum(up{{{JOB_WORKER}}})", "up"),
+               _query(f"count(up{{{JOB_WORKER}}})", "targets"))
          .text_mode(common.BigValueTextMode.VALUE_AND_NAME)
          .color_mode(common.BigValueColorMode.NONE)
-         .graph_mode(common.BigValueGraphMode.NONE)
-         .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False))),
+         .graph_mode(common.BigValueGraphMode.NONE)),
     ]
+
+
+def build_dashboard() -> dm.Dashboard:
+    """Return the dashboard model: its settings, variables and annotation, then each row and its panels."""
+    from grafana_foundation_sdk.builders import dashboard as dash
+    from grafana_foundation_sdk.models import dashboard as dm
 
     builder = (
         dash.Dashboard(DASHBOARD_TITLE)
@@ -624,38 +671,31 @@ def build_dashboard():
               .url(JAEGER_UI_URL).target_blank(True).icon("external link").tooltip(
                   "Trace search").tags([]).as_dropdown(False).include_vars(False)
               .keep_time(False))
+        .variables(_variables())
+        .annotation(_no_idle_annotation())
     )
-    for variable in variables:
-        builder = builder.with_variable(variable)
-    for annotation in annotations:
-        builder = builder.annotation(annotation)
-    for title, panels in [
-        ("Overview", overview),
-        ("Latency breakdown", latency),
-        ("Payload", payload),
-        ("Traffic matrix", traffic),
-        ("Saturation", saturation),
-        ("Errors", errors),
-        ("Add-on health", health),
-    ]:
-        builder = builder.with_row(row(title))
+    for title, panels in (_overview_row(), _latency_row(), _payload_row(), _traffic_row(),
+                          _saturation_row(), _errors_row(), _health_row()):
+        builder = builder.with_row(dash.Row(title))
         for panel in panels:
             builder = builder.with_panel(panel)
     model = builder.build()
     # Panel ids: unique, in reading order (rows included).
-    for panel_id, panel in enumerate(model.panels, start=1):
-        panel.id_val = panel_id
+    for panel_id, built in enumerate(model.panels or (), start=1):
+        built.id_val = panel_id
     return model
 
 
 def render() -> str:
     """The dashboard as the exact text committed in ``rpc_observe.json``."""
-    JSONEncoder = _sdk()[8]
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+
     encoder = JSONEncoder(sort_keys=True, indent=2, ensure_ascii=False)
     return encoder.encode(build_dashboard()) + "\n"
 
 
 def installed_sdk_version() -> str | None:
+    """The installed version of the SDK's distribution, or ``None`` if it is not installed."""
     from importlib import metadata
 
     try:
@@ -665,6 +705,7 @@ def installed_sdk_version() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Write the dashboard JSON, or with ``--check`` compare it; 1 if stale, 2 if the SDK version is wrong."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="do not write; exit 1 if the committed JSON differs")
