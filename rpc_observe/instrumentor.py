@@ -25,6 +25,10 @@ RPC_MODULE = "torch.distributed.rpc"
 
 def _patch_rpc(rpc: Any = None) -> None:
     """Wraps the client calls, the pickler, the UDF runner, init_rpc and shutdown of `rpc`."""
+    from .hooks import compat
+
+    if not compat.check("rpc"):  # all or nothing: a changed torch is never half patched
+        return
     from torch.distributed.rpc import api, internal
 
     from .hooks import client, pickler, server
@@ -107,7 +111,7 @@ class RpcObserveInstrumentor:
     _instrumented = False
 
     def instrumentation_dependencies(self) -> Collection[str]:
-        return ("torch >= 2.2",)
+        return ("torch >= 2.13",)
 
     def instrument(self, **kwargs: Any) -> None:
         with self._lock:

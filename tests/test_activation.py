@@ -270,3 +270,61 @@ print(json.dumps(collections.Counter(e.name for e in prof.function_events if e.n
         counts.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert counts[0]["rpc_sync#add(worker0 -> worker0)"] == 1
     assert counts[1] == counts[0]  # torch records the key itself; the add-on adds nothing
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("internal._run_function = lambda udf, extra: None", "internal._run_function takes (udf, extra)"),
+        ("del api._invoke_rpc", "api._invoke_rpc AttributeError"),
+        ("internal._InternalRPCPickler.deserialize = lambda self, data: None", "deserialize takes (self, data)"),
+    ],
+)
+def test_a_changed_torch_is_left_exactly_as_it_was(tmp_path, change, named):
+    """The self-check: a torch whose internals differ gets one warning naming them, and no patch at all."""
+    code = (
+        SNAPSHOT
+        + SELF_RPC
+        + f"""
+import logging
+logging.basicConfig()
+{change}
+saved = {{n: v for n, v in vars(api).items() if n == "_invoke_rpc"}}
+before = snapshot() if "_invoke_rpc" in vars(api) else None
+import rpc_observe
+rpc_observe.instrument()
+after = snapshot() if "_invoke_rpc" in vars(api) else None
+if "del api._invoke_rpc" in {change!r}:
+    print(json.dumps({{"same": True, "value": None}}))
+else:
+    print(json.dumps({{"same": before == after, "value": None}}))
+"""
+    )
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["same"] is True
+    warnings = [line for line in proc.stderr.splitlines() if "differs from what rpc_observe hooks" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert f"torch {torch_version()}" in warnings[0] and "Nothing of torch is patched" in warnings[0]
+    assert all(part in warnings[0] for part in named.split(" ")), warnings[0]
+
+
+def test_a_changed_torch_still_serves_rpcs_unpatched(tmp_path):
+    code = (
+        SNAPSHOT
+        + SELF_RPC
+        + """
+internal._run_function = (lambda original: lambda udf: original(udf))(internal._run_function)
+import rpc_observe
+rpc_observe.instrument()
+print(json.dumps({"value": self_rpc(sys.argv[1] if len(sys.argv) > 1 else "."),
+                  "patched": hasattr(api._invoke_rpc, "__rpc_observe_original__")}))
+"""
+    )
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"value": [2.0, 2.0], "patched": False}
+
+
+def torch_version() -> str:
+    return metadata.version("torch")

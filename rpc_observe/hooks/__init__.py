@@ -17,18 +17,18 @@ if TYPE_CHECKING:
 
 def attach(runtime: Runtime) -> None:
     """Gives a new runtime what needs torch: the call sweep, torch's debug state, profiler events."""
-    from . import calls, torch_state
+    from . import calls, compat, torch_state
 
     runtime.add_housekeeping(calls.sweep)
     if runtime.metrics is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
     config = runtime.config
-    if config.profiler_events or config.profile:
+    if (config.profiler_events or config.profile) and compat.check("profiler"):
         from .profiler_events import ProfilerEvents
 
         runtime.profiler = ProfilerEvents(runtime.worker, runtime.run_id)
         runtime.profiler.patch_profiler()
-    if config.profile and runtime.out_dir is not None:
+    if config.profile and runtime.out_dir is not None and runtime.profiler is not None:
         from .profiler_events import ProfileSession
 
         path = os.path.join(runtime.out_dir, "profiler", f"{runtime.worker}.json")
