@@ -9,7 +9,13 @@ channel).
 Config `a` is started with `python -S`: no .pth file is processed (so neither
 rpc_observe.pth nor the editable install's path entry), and the site-packages
 directories named in BENCH_SITE_DIRS are appended to sys.path by hand, which does not
-process .pth files either.
+process .pth files either. benchmarks/ itself is sys.path[0] (this script's directory),
+so bench.stats (standard library only) imports in every config.
+
+What this worker relies on in rpc_observe (all of it looked up, nothing imported, so that
+configs a and b stay free of the add-on): the `__rpc_observe_original__` attribute that
+rpc_observe sets on the torch functions it wraps, each wrapper's closure holding torch's
+original (BENCH_SELF_TIME), and `current` of the runtime module (RPC_OBSERVE_MODULES).
 """
 
 from __future__ import annotations
@@ -28,15 +34,24 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from types import ModuleType  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
+from bench.stats import quantile  # noqa: E402
 
 CONFIG = sys.argv[1]
 RANK = int(sys.argv[2])
 INIT_FILE = sys.argv[3]
 PEER = "worker1"
 _ns = time.perf_counter_ns
+
+# rpc_observe's modules this worker looks into (in sys.modules only: never imported from here),
+# each by its current name first and its name before the package was split into sub-packages.
+RPC_OBSERVE_MODULES: dict[str, tuple[str, ...]] = {
+    "runtime": ("rpc_observe.telemetry.runtime", "rpc_observe._runtime"),  # `current`: the Runtime or None
+}
 
 # The answer channel: the original stdout; fd 1 then points at stderr.
 _ctl = os.fdopen(os.dup(1), "w", buffering=1)
@@ -45,20 +60,20 @@ sys.stdout = sys.stderr
 
 
 # -- UDFs (module level in __main__ of both workers, so they unpickle on the callee) ----
-def echo(*tensors):
+def echo(*tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return tensors[0] if len(tensors) == 1 else tensors
 
 
-def sink(*tensors):
+def sink(*tensors: torch.Tensor) -> None:
     return None
 
 
-def rss(_=None):
+def rss(_: Any = None) -> dict[str, int]:
     return status()
 
 
 # -- helpers ---------------------------------------------------------------------------
-def status() -> dict:
+def status() -> dict[str, int]:
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -68,17 +83,16 @@ def status() -> dict:
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    if not values:
-        return float("nan")
-    k = (len(values) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+def rpc_observe_module(role: str) -> tuple[str, ModuleType] | tuple[None, None]:
+    """The loaded rpc_observe module for `role` of RPC_OBSERVE_MODULES, under whichever name it has."""
+    for name in RPC_OBSERVE_MODULES[role]:
+        module = sys.modules.get(name)
+        if module is not None:
+            return name, module
+    return None, None
 
 
-def instrumentation_state() -> dict:
+def instrumentation_state() -> dict[str, Any]:
     api = sys.modules["torch.distributed.rpc.api"]
     state = {
         "rpc_observe_imported": "rpc_observe" in sys.modules,
@@ -87,7 +101,7 @@ def instrumentation_state() -> dict:
         "env_RPC_OBSERVE": os.environ.get("RPC_OBSERVE"),
     }
     if state["rpc_observe_imported"]:
-        rt = sys.modules.get("rpc_observe._runtime")
+        state["runtime_module"], rt = rpc_observe_module("runtime")
         cur = getattr(rt, "current", None)
         state["runtime"] = None if cur is None else {
             "metrics": cur.metrics is not None,
@@ -119,11 +133,11 @@ class Profiled:
     (which parses the events) happens after the timed part.
     """
 
-    def __init__(self):
-        self.prof = None
-        self.events = None
+    def __init__(self) -> None:
+        self.prof: Any = None
+        self.events: dict[str, int] | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> Profiled:
         if CONFIG in ("e", "ap"):
             from torch.profiler import ProfilerActivity, profile
 
@@ -131,7 +145,7 @@ class Profiled:
             self.prof.__enter__()
         return self
 
-    def stop(self):
+    def stop(self) -> None:
         if self.prof is not None:
             self.prof.__exit__(None, None, None)
             prof, self.prof = self.prof, None
@@ -141,12 +155,12 @@ class Profiled:
                     names[e.name] = names.get(e.name, 0) + 1
             self.events = names
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
 # -- measurements (caller) ---------------------------------------------------------------
-def _timed_echoes(t, n: int, warmup: int):
+def _timed_echoes(t: torch.Tensor, n: int, warmup: int) -> tuple[list[float], Any, dict[str, int] | None]:
     """Latencies (us) of `n` rpc_sync echoes of `t` after `warmup`, the last reply, and profiler events."""
     for _ in range(warmup):
         rpc.rpc_sync(PEER, echo, args=(t,))
@@ -160,25 +174,25 @@ def _timed_echoes(t, n: int, warmup: int):
     return [round(x / 1e3, 1) for x in lat], out, p.events
 
 
-def cmd_noop(n: int, warmup: int, raw: bool = False, **_) -> dict:
+def cmd_noop(n: int, warmup: int, raw: bool = False, **_: Any) -> dict[str, Any]:
     lat_us, _, events = _timed_echoes(torch.ones(4), n, warmup)
-    out = {"p50_us": pct(lat_us, 0.5), "p99_us": pct(lat_us, 0.99), "mean_us": statistics.fmean(lat_us),
+    out = {"p50_us": quantile(lat_us, 0.5), "p99_us": quantile(lat_us, 0.99), "mean_us": statistics.fmean(lat_us),
            "n": n, "profiler_rpc_events": events}
     if raw:
         out["lat_us"] = lat_us
     return out
 
 
-def cmd_big(n: int, warmup: int, numel: int = 1 << 20, raw: bool = False, **_) -> dict:
+def cmd_big(n: int, warmup: int, numel: int = 1 << 20, raw: bool = False, **_: Any) -> dict[str, Any]:
     lat_us, out, _ = _timed_echoes(torch.ones(numel), n, warmup)
     assert out.numel() == numel
-    res = {"p50_us": pct(lat_us, 0.5), "p90_us": pct(lat_us, 0.9), "n": n, "bytes_each_way": numel * 4}
+    res = {"p50_us": quantile(lat_us, 0.5), "p90_us": quantile(lat_us, 0.9), "n": n, "bytes_each_way": numel * 4}
     if raw:
         res["lat_us"] = lat_us
     return res
 
 
-def cmd_thr(threads: int, seconds: float, warmup_s: float = 0.2, inflight: int = 1, **_) -> dict:
+def cmd_thr(threads: int, seconds: float, warmup_s: float = 0.2, inflight: int = 1, **_: Any) -> dict[str, Any]:
     """`threads` threads, each keeping `inflight` rpc_async calls in flight (1: call, wait, repeat)."""
     t = torch.ones(4)
     stop = threading.Event()
@@ -225,7 +239,7 @@ def cmd_thr(threads: int, seconds: float, warmup_s: float = 0.2, inflight: int =
             "inflight": inflight}
 
 
-def cmd_ser(n: int, warmup: int, **_) -> dict:
+def cmd_ser(n: int, warmup: int, **_: Any) -> dict[str, Any]:
     """rpc_sync time for payloads of many small tensors vs one big tensor (echoed back)."""
     cases = {
         "1x16B": [torch.ones(4)],
@@ -244,11 +258,11 @@ def cmd_ser(n: int, warmup: int, **_) -> dict:
             s = _ns()
             rpc.rpc_sync(PEER, echo, args=tuple(tensors))
             lat.append((_ns() - s) / 1e3)
-        out[name] = {"p50_us": pct(lat, 0.5), "mean_us": statistics.fmean(lat), "n": count}
+        out[name] = {"p50_us": quantile(lat, 0.5), "mean_us": statistics.fmean(lat), "n": count}
     return out
 
 
-def cmd_pickler(n: int, **_) -> dict:
+def cmd_pickler(n: int, **_: Any) -> dict[str, Any]:
     """In-process cost of the pickler alone: torch's serialize+deserialize vs the wrapped one.
 
     Only meaningful in an instrumented worker (c/d/e); in a/b both columns are torch's.
@@ -285,7 +299,7 @@ def cmd_pickler(n: int, **_) -> dict:
     return result
 
 
-def cmd_memory(calls: int, sample_every: int, **_) -> dict:
+def cmd_memory(calls: int, sample_every: int, **_: Any) -> dict[str, Any]:
     """`calls` no-op RPCs; this process's and the callee's RSS every `sample_every` calls."""
     t = torch.ones(4)
     samples = [{"calls": 0, "caller": status(), "callee": rpc.rpc_sync(PEER, rss)}]
@@ -297,7 +311,7 @@ def cmd_memory(calls: int, sample_every: int, **_) -> dict:
     return {"samples": samples, "seconds": time.perf_counter() - s}
 
 
-def cmd_cprofile(n: int, out: str, **_) -> dict:
+def cmd_cprofile(n: int, out: str, **_: Any) -> dict[str, Any]:
     """cProfile of `n` no-op rpc_sync calls on this (the caller's main) thread."""
     import cProfile
 
@@ -311,7 +325,7 @@ def cmd_cprofile(n: int, out: str, **_) -> dict:
     return {"stats": out}
 
 
-def cmd_loop(seconds: float, **_) -> dict:
+def cmd_loop(seconds: float, **_: Any) -> dict[str, Any]:
     """No-op RPCs for `seconds` (for an outside sampler such as py-spy)."""
     t = torch.ones(4)
     end = time.perf_counter() + seconds
@@ -324,6 +338,16 @@ def cmd_loop(seconds: float, **_) -> dict:
 
 _SELF_NS: dict[str, list[int]] = {}  # "<wrapper>@<main|pool>" -> per-call self time, ns
 
+# The torch functions whose rpc_observe wrappers the self-timer times, and the rpc_observe
+# function that makes each wrapper (for reference: the wrappers are found on torch's side,
+# by the `__rpc_observe_original__` that rpc_observe sets, not by rpc_observe's module names).
+SELF_TIMED = (
+    ("api", "_invoke_rpc"),  # rpc_observe.hooks.client.wrap_invoke_rpc (was rpc_observe._client)
+    ("_InternalRPCPickler", "serialize"),  # rpc_observe.hooks.pickler.wrap_serialize (was rpc_observe._pickler)
+    ("_InternalRPCPickler", "deserialize"),  # rpc_observe.hooks.pickler.wrap_deserialize
+    ("internal", "_run_function"),  # rpc_observe.hooks.server.wrap_run_function (was rpc_observe._server)
+)
+
 
 def install_self_timer() -> None:
     """Diagnostics (BENCH_SELF_TIME=1, before init_rpc): times each rpc_observe wrapper's own
@@ -333,15 +357,21 @@ def install_self_timer() -> None:
 
     from torch.distributed.rpc import api, internal
 
+    owners = {"api": api, "internal": internal, "_InternalRPCPickler": internal._InternalRPCPickler}
     main = threading.main_thread().ident
     inner: dict[tuple[int, str], int] = {}
-    for owner, name in ((api, "_invoke_rpc"), (internal._InternalRPCPickler, "serialize"),
-                        (internal._InternalRPCPickler, "deserialize"), (internal, "_run_function")):
+    for owner_name, name in SELF_TIMED:
+        owner = owners[owner_name]
         wrapper = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        original = wrapper.__rpc_observe_original__
-        cell = next(c for c in wrapper.__closure__ if c.cell_contents is original)
+        original = getattr(wrapper, "__rpc_observe_original__", None)
+        if original is None:
+            raise RuntimeError(f"BENCH_SELF_TIME: {owner_name}.{name} is not wrapped by rpc_observe")
+        cell = next((c for c in wrapper.__closure__ or () if c.cell_contents is original), None)
+        if cell is None:
+            raise RuntimeError(f"BENCH_SELF_TIME: rpc_observe's wrapper of {owner_name}.{name} does not hold "
+                               "torch's original in its closure; the self-timer cannot time it")
 
-        def timed_original(*args, _original=original, _name=name, **kwargs):
+        def timed_original(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
             start = _ns()
             try:
                 return _original(*args, **kwargs)
@@ -351,7 +381,7 @@ def install_self_timer() -> None:
 
         cell.cell_contents = timed_original
 
-        def timed_wrapper(*args, _wrapper=wrapper, _name=name, **kwargs):
+        def timed_wrapper(*args: Any, _wrapper: Any = wrapper, _name: str = name, **kwargs: Any) -> Any:
             ident = threading.get_ident()
             before = inner.get((ident, _name), 0)
             start = _ns()
@@ -366,7 +396,7 @@ def install_self_timer() -> None:
         setattr(owner, name, timed_wrapper)
 
 
-def self_time_report() -> dict:
+def self_time_report() -> dict[str, dict[str, float]]:
     """Median and mean self time (us) per wrapper since the last report; resets."""
     out = {k: {"calls": len(v), "median_us": statistics.median(v) / 1e3, "mean_us": statistics.mean(v) / 1e3}
            for k, v in _SELF_NS.items() if len(v) >= 100}
@@ -374,7 +404,7 @@ def self_time_report() -> dict:
     return out
 
 
-def cmd_selftime(n: int = 3000, **_) -> dict:
+def cmd_selftime(n: int = 3000, **_: Any) -> dict[str, Any]:
     """`n` no-op RPCs; each process's rpc_observe self time per wrapper (needs BENCH_SELF_TIME=1)."""
     t = torch.ones(4)
     self_time_report()
@@ -390,7 +420,7 @@ COMMANDS = {
 }
 
 
-def reply(obj) -> None:
+def reply(obj: Any) -> None:
     _ctl.write(json.dumps(obj) + "\n")
 
 

@@ -1,7 +1,7 @@
 """Regression check for a crash found by benchmarks/overhead.py config (e): with RPC_OBSERVE=1,
 stopping a torch.profiler session right after rpc_sync returned corrupted the heap.
-Fixed in rpc_observe/_client.py (`_watch` returns torch's profiling future); the plain
-mode now runs its 400 sessions cleanly.
+Fixed in rpc_observe/_client.py, now rpc_observe/hooks/client.py (`_watch` returns torch's
+profiling future); the plain mode now runs its 400 sessions cleanly.
 
     python benchmarks/repro_profiler_stop_race.py            # segfault / abort within ~10-400 sessions
     python benchmarks/repro_profiler_stop_race.py --settle   # sleep 20 ms before each stop: no crash
@@ -39,7 +39,7 @@ def worker(rank: int, init: str, sessions: int, mode: str) -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
         t = torch.ones(4)
-        for s in range(sessions):
+        for _session in range(sessions):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(50):
                     rpc.rpc_sync("worker1", echo, args=(t,))

@@ -1,0 +1,239 @@
+"""--profile: where the time of (c)/(d) goes, against (a). Five views, cheapest first:
+
+1. per no-op RPC: context switches and user/sys CPU of caller and callee (/proc, no tool);
+2. in situ: each rpc_observe wrapper's own time per call, on the thread that runs it
+   (pairs c_t, d_t: the worker's self-timer, BENCH_SELF_TIME=1);
+3. perf, if installed: CPU per RPC by shared object, (a) vs (d);
+4. py-spy, if found: share of samples in rpc_observe functions, (d) caller and callee;
+5. cProfile of the (d) caller's main thread.
+"""
+
+from __future__ import annotations
+
+import os
+import pstats
+import shutil
+import statistics
+import subprocess
+import time
+from typing import Any
+
+from bench.pairs import Pair, proc_counters
+
+CPROFILE_CALLS = 3000
+_IDLE_LEAVES = ("wait (threading.py", "select", "epoll", "sleep", "readline", "_wait_for_tstate_lock",
+                "wait (rpc_observe", "(<built-in>)")
+
+
+def run_profile(pairs: dict[str, Pair], py_spy: str | None, tmp: str, seconds: float) -> tuple[dict[str, Any], str]:
+    """All five views; the results for the JSON and their tables (also printed)."""
+    out: dict[str, Any] = {}
+    texts = [per_call_counters(pairs, out)]
+    texts += self_times(pairs, out)
+    perf = shutil.which("perf")
+    if perf:
+        texts.append(perf_by_dso(pairs, perf, tmp, seconds, out))
+    else:
+        print("perf: not found on PATH (apt-get install linux-perf); skipping the perf view", flush=True)
+    d = pairs["d"]
+    d.resume()  # (d) runs through py-spy and cProfile
+    if py_spy and shutil.which(py_spy):
+        texts += py_spy_shares(d, py_spy, tmp, seconds, out)
+    else:
+        msg = (f"py-spy: {py_spy} is not an executable" if py_spy
+               else "py-spy: not found on PATH (pip install py-spy, or pass --py-spy PATH)")
+        out["py-spy skipped"] = msg
+        print(f"{msg}; skipping the py-spy view", flush=True)
+    prof_path = os.path.join(tmp, "cprofile-d-caller.prof")
+    d.caller.call("cprofile", n=CPROFILE_CALLS, out=prof_path)
+    d.pause()
+    out["cprofile caller"] = cprofile_summary(prof_path)
+    texts.append(out["cprofile caller"]["text"])
+    text = "\n\n".join(texts)
+    print(text, flush=True)
+    return out, text
+
+
+# -- 1. /proc counters ---------------------------------------------------------------------------
+def per_call_counters(pairs: dict[str, Pair], out: dict[str, Any], n: int = 2000) -> str:
+    rows = []
+    for rep in range(3):
+        for c in ("a", "c", "d"):
+            pr = pairs[c]
+            pr.resume()
+            before = {r: proc_counters(w.pid) for r, w in (("caller", pr.caller), ("callee", pr.callee))}
+            res = pr.caller.call("noop", n=n, warmup=0)
+            after = {r: proc_counters(w.pid) for r, w in (("caller", pr.caller), ("callee", pr.callee))}
+            pr.pause()
+            row = {"config": c, "rep": rep, "p50_us": res["p50_us"]}
+            for r in before:
+                for k in before[r]:
+                    row[f"{r}_{k}"] = (after[r][k] - before[r][k]) / n
+            rows.append(row)
+    out["per_call_counters"] = rows
+    lines = [f"Per no-op RPC ({n} calls, median of 3 reps): context switches and CPU of each process",
+             "| config | p50 us | caller vol. cs | caller invol. cs | caller user us | caller sys us | "
+             "callee vol. cs | callee invol. cs | callee user us | callee sys us |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in ("a", "c", "d"):
+        rs = [r for r in rows if r["config"] == c]
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("config", "rep")}
+        lines.append(f"| {c} | {med['p50_us']:.0f} | " + " | ".join(
+            f"{med[f'{r}_{k}']:.2f}" if k.endswith("cs") else f"{med[f'{r}_{k}']:.0f}"
+            for r in ("caller", "callee") for k in ("vcs", "nvcs", "user_us", "sys_us")) + " |")
+    return "\n".join(lines)
+
+
+# -- 2. in-situ self times -----------------------------------------------------------------------
+def self_times(pairs: dict[str, Pair], out: dict[str, Any], n: int = 3000) -> list[str]:
+    """(c) and (d) with the worker's self-timer, which adds its own ~1-2 us per wrapper."""
+    texts = []
+    for c in ("c", "d"):
+        pr = pairs[c + "_t"]
+        pr.resume()
+        res = [pr.caller.call("selftime", n=n) for _ in range(3)]
+        pr.pause()
+        out[f"selftime {c}"] = res
+        lines = [f"rpc_observe's own time per no-op RPC in ({c}), in situ, us (median per call; median of 3 x {n}):",
+                 "| process | wrapper @ thread | median us | mean us |", "|---|---|---|---|"]
+        totals: dict[str, float] = {}
+        for role in ("caller", "callee"):
+            for key in sorted(res[0][role]):
+                med = statistics.median(r[role][key]["median_us"] for r in res if key in r[role])
+                mean = statistics.median(r[role][key]["mean_us"] for r in res if key in r[role])
+                totals[role] = totals.get(role, 0.0) + med
+                lines.append(f"| {role} | {key} | {med:.1f} | {mean:.1f} |")
+        lines.append(f"| both | sum of medians | {sum(totals.values()):.1f} | |")
+        texts.append("\n".join(lines))
+    return texts
+
+
+# -- 3. perf -------------------------------------------------------------------------------------
+def perf_by_dso(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, out: dict[str, Any]) -> str:
+    per_dso: dict[tuple[str, str], dict[str, float]] = {}
+    for c in ("a", "d"):
+        pr = pairs[c]
+        pr.resume()
+        datas = {}
+        procs = []
+        for role, w in (("caller", pr.caller), ("callee", pr.callee)):
+            datas[role] = os.path.join(tmp, f"perf-{c}-{role}.data")
+            procs.append(subprocess.Popen([perf, "record", "-e", "cpu-clock", "-F", "1000", "-p", str(w.pid),
+                                           "-o", datas[role], "--", "sleep", str(int(seconds))],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.3)
+        calls = pr.caller.call("loop", seconds=seconds - 0.6)["calls"]
+        for pp in procs:
+            pp.wait(60)
+        pr.pause()
+        for role, data in datas.items():
+            rep = subprocess.run([perf, "report", "-i", data, "--sort", "dso", "-g", "none", "--stdio",
+                                  "-F", "sample,dso"], capture_output=True, text=True).stdout
+            for line in rep.splitlines():
+                parts = line.split()
+                if len(parts) == 2 and parts[0].isdigit():
+                    # 1000 Hz: one sample is 1000 us of CPU
+                    per_dso.setdefault((role, parts[1]), {})[c] = int(parts[0]) * 1000 / calls
+    out["perf_us_per_call"] = {f"{r}|{d}": v for (r, d), v in per_dso.items()}
+    lines = ["perf (cpu-clock, 1000 Hz) CPU per no-op RPC by shared object, us (a) vs (d):",
+             "| process | shared object | (a) | (d) | (d)-(a) |", "|---|---|---|---|---|"]
+    for (role, dso), v in sorted(per_dso.items(), key=lambda kv: -(kv[1].get("d", 0) - kv[1].get("a", 0))):
+        if max(v.values()) >= 3:
+            lines.append(f"| {role} | {dso} | {v.get('a', 0):.0f} | {v.get('d', 0):.0f} | "
+                         f"{v.get('d', 0) - v.get('a', 0):+.0f} |")
+    return "\n".join(lines)
+
+
+# -- 4. py-spy -----------------------------------------------------------------------------------
+def py_spy_shares(d: Pair, py_spy: str, tmp: str, seconds: float, out: dict[str, Any]) -> list[str]:
+    """py-spy on both (d) processes (already resumed) while the caller loops no-op RPCs."""
+    raws = {}
+    procs = []
+    for role, w in (("caller", d.caller), ("callee", d.callee)):
+        path = os.path.join(tmp, f"pyspy-d-{role}.txt")
+        raws[role] = path
+        procs.append(subprocess.Popen([py_spy, "record", "--pid", str(w.pid), "--duration", str(int(seconds)),
+                                       "--rate", "250", "--format", "raw", "--threads", "--nonblocking",
+                                       "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    time.sleep(1.0)
+    d.caller.call("loop", seconds=seconds - 1.5)
+    for pr in procs:
+        pr.wait(60)
+    texts = []
+    for role, path in raws.items():
+        if not os.path.exists(path):
+            continue
+        res = analyse_collapsed(path)
+        out[f"py-spy {role}"] = res
+        texts.append(format_profile(f"py-spy (250 Hz, non-blocking), (d) {role}", res))
+    return texts
+
+
+def analyse_collapsed(path: str) -> dict[str, Any]:
+    """Inclusive share of samples per rpc_observe function, over the threads doing RPC work."""
+    total = 0
+    busy = 0
+    incl: dict[str, int] = {}
+    self_: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            frames = stack.split(";")
+            total += n
+            leaf = frames[-1]
+            idle = any(x in leaf for x in _IDLE_LEAVES)
+            if idle and not any("rpc_observe" in fr for fr in frames):
+                continue
+            busy += n
+            seen = set()
+            for fr in frames:
+                if "rpc_observe/" in fr or "rpc_observe\\" in fr:
+                    key = short_frame(fr)
+                    if key not in seen:
+                        incl[key] = incl.get(key, 0) + n
+                        seen.add(key)
+            if "rpc_observe/" in leaf:
+                key = short_frame(leaf)
+                self_[key] = self_.get(key, 0) + n
+    top = sorted(incl.items(), key=lambda kv: -kv[1])[:20]
+    return {"samples": total, "busy_samples": busy,
+            "inclusive": [(k, v, v / busy * 100 if busy else 0) for k, v in top],
+            "self": sorted(((k, v, v / busy * 100 if busy else 0) for k, v in self_.items()), key=lambda x: -x[1])[:15]}
+
+
+def short_frame(frame: str) -> str:
+    # py-spy raw frames look like "func (path/to/file.py:123)"
+    name, _, loc = frame.partition(" (")
+    loc = loc.rstrip(")")
+    file = loc.rsplit(":", 1)[0]
+    file = file[file.find("rpc_observe/"):] if "rpc_observe/" in file else os.path.basename(file)
+    return f"{file}:{name}"
+
+
+def format_profile(title: str, res: dict[str, Any]) -> str:
+    lines = [f"{title}: {res['busy_samples']} busy samples of {res['samples']}",
+             "| rpc_observe function (inclusive) | samples | % of busy |", "|---|---|---|"]
+    lines += [f"| {k} | {v} | {p:.1f} |" for k, v, p in res["inclusive"]]
+    lines += ["", "| rpc_observe function (self) | samples | % of busy |", "|---|---|---|"]
+    lines += [f"| {k} | {v} | {p:.1f} |" for k, v, p in res["self"]]
+    return "\n".join(lines)
+
+
+# -- 5. cProfile ---------------------------------------------------------------------------------
+def cprofile_summary(path: str, calls: int = CPROFILE_CALLS) -> dict[str, Any]:
+    st = pstats.Stats(path)
+    total = st.total_tt
+    rows = []
+    for (file, _line, name), (_cc, nc, tt, ct, _callers) in st.stats.items():
+        if "rpc_observe" in file:
+            rows.append((f"{file[file.find('rpc_observe/'):]}:{name}", nc, tt * 1e6 / calls, ct * 1e6 / calls,
+                         ct / total * 100))
+    rows.sort(key=lambda r: -r[3])
+    lines = [f"cProfile of {calls} no-op rpc_sync on the (d) caller's thread (total {total * 1e6 / calls:.0f} us/call "
+             f"under cProfile)", "| function | calls | self us/RPC | cumulative us/RPC | % of caller thread |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} |" for r in rows[:20]]
+    return {"rows": rows, "total_s": total, "text": "\n".join(lines)}
