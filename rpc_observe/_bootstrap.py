@@ -24,6 +24,9 @@ class _Loader(importlib.abc.Loader):
     def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
 
+    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...: the real loader's
+        return getattr(self._loader, name)
+
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
         try:

@@ -27,6 +27,7 @@ RPC_OBSERVE_PROFILE = "RPC_OBSERVE_PROFILE"
 RPC_OBSERVE_PROFILE_MAX_SECONDS = "RPC_OBSERVE_PROFILE_MAX_SECONDS"
 RPC_OBSERVE_SPAN_NAMES = "RPC_OBSERVE_SPAN_NAMES"
 RPC_OBSERVE_MAX_EXCEPTION_MESSAGE = "RPC_OBSERVE_MAX_EXCEPTION_MESSAGE"
+RPC_OBSERVE_SIGNALS = "RPC_OBSERVE_SIGNALS"
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
@@ -57,6 +58,7 @@ class Config:
     profile_max_seconds: float = 300.0
     span_names: str = "key"  # "key": torch's profiling key; "method": {rpc.method}
     max_exception_message: int = 256
+    signals: bool = True  # flush on SIGTERM (telemetry/signals.py)
     traces_exporters: tuple[str, ...] = ("file",)
     otlp_protocol: str = "http/protobuf"
     sampler: str = "parentbased_always_on"
@@ -89,7 +91,7 @@ def _warn(name: str, value: str, accepted: str) -> None:
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     value = env.get(name)
-    if value is None:
+    if value is None or not value.strip():  # empty is unset, as OpenTelemetry's variables
         return default
     value = value.strip().lower()
     if value in _ON:
@@ -137,11 +139,11 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     exporters = _choices(env, "OTEL_TRACES_EXPORTER", _TRACES_EXPORTERS, ("file",))
     if "none" in exporters:
         exporters = ()
-    protocol = (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
-    )
+    protocol_variable = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+                              if env.get(v)), "OTEL_EXPORTER_OTLP_PROTOCOL")
+    protocol = env.get(protocol_variable) or "http/protobuf"
     if protocol not in _OTLP_PROTOCOLS:
-        _warn("OTEL_EXPORTER_OTLP_PROTOCOL", protocol, f"{' or '.join(_OTLP_PROTOCOLS)}; using http/protobuf")
+        _warn(protocol_variable, protocol, f"{' or '.join(_OTLP_PROTOCOLS)}; using http/protobuf")
         protocol = "http/protobuf"
     sampler = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
     if sampler not in _SAMPLERS:
@@ -167,6 +169,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         profile_max_seconds=_number(env, RPC_OBSERVE_PROFILE_MAX_SECONDS, 300.0, 1.0, 86400.0, kind=float),
         span_names=span_names,
         max_exception_message=_number(env, RPC_OBSERVE_MAX_EXCEPTION_MESSAGE, 256, 0, 65536),
+        signals=_flag(env, RPC_OBSERVE_SIGNALS, True),
         traces_exporters=exporters,
         otlp_protocol=protocol,
         sampler=sampler,

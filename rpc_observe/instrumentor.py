@@ -70,10 +70,11 @@ def _wrap_init_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     def shutdown(*args: Any, **kwargs: Any) -> Any:
+        runtime = _runtime.current
         result = original(*args, **kwargs)
-        runtime = _runtime.current  # shutdown makes RPCs too: flush after it returns
-        if runtime is not None:
+        if runtime is not None:  # shutdown makes RPCs too: end what is left and flush after it returns
             try:
+                runtime.stopping()
                 runtime.flush()
                 runtime.finish_profile()
             except Exception:

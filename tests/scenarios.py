@@ -64,6 +64,11 @@ def script_add(t: torch.Tensor, n: int) -> torch.Tensor:
     return t + n
 
 
+def call_method(method, rref, *args):
+    """The PyTorch examples' `_call_method` helper."""
+    return method(rref.local_value(), *args)
+
+
 class Counter:
     def __init__(self):
         self.value = 0
@@ -115,6 +120,7 @@ def basic(world):
     out["proxy_sync"] = _outcome(lambda: counter.rpc_sync().incr(1))
     out["proxy_async"] = _outcome(lambda: counter.rpc_async().incr(2).wait())
     out["proxy_remote"] = _outcome(lambda: counter.remote().get().to_here())
+    out["helper"] = _outcome(lambda: rpc.rpc_sync("worker1", call_method, args=(Counter.incr, counter, 5)))
     out["timeout"] = _outcome(lambda: rpc.rpc_sync("worker2", sleep_for, args=(1.5,), timeout=0.3))
     return out
 
@@ -270,6 +276,42 @@ def death(world):
     return {"errors": errors, "alive": rpc.rpc_sync("worker1", add, args=(torch.ones(1), 1)).tolist()}
 
 
+def sigterm(world):
+    """rank 0: calls in flight, main thread blocked in C++, when the test SIGTERMs this process."""
+    t = torch.ones(4)
+    long_calls = [rpc.rpc_async("worker1", sleep_for, args=(60,)) for _ in range(4)]
+
+    def _loop():
+        while True:
+            rpc.rpc_sync("worker1", add, args=(t, 1))
+
+    for _ in range(4):
+        threading.Thread(target=_loop, daemon=True).start()
+    time.sleep(1.0)
+    _touch(os.environ["SCENARIO_READY"] + "0")
+    for fut in long_calls:
+        fut.wait()
+    return {}
+
+
+def sigterm_peer():
+    """rank 1: two long calls to rank 0 (which the test SIGTERMs), then shutdown, blocked until SIGTERMed too."""
+    futs = [rpc.rpc_async("worker0", sleep_for, args=(60,)) for _ in range(2)]
+    _touch(os.environ["SCENARIO_READY"] + "1")
+    for fut in futs:
+        try:
+            fut.wait()
+        except Exception:  # noqa: BLE001 - rank 0 is gone
+            pass
+    _touch(os.environ["SCENARIO_READY"] + "1-failed")
+    time.sleep(120)
+
+
+def _touch(path):
+    with open(path, "w"):
+        pass
+
+
 class _TaggedPickler(rpc.internal._InternalRPCPickler):
     """A custom pickler, installed with torch's own hook."""
 
@@ -354,6 +396,7 @@ SCENARIOS = {
     "latency": latency,
     "hostile": hostile,
     "death": death,
+    "sigterm": sigterm,
     "custom_pickler": custom_pickler,
     "rref_in_args": rref_in_args,
     "soak": soak,
@@ -394,6 +437,8 @@ def main() -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     if os.environ.get("SCENARIO_BREAK"):
         _break_telemetry()
+    if name == "sigterm" and rank == 1:
+        sigterm_peer()
     result = SCENARIOS[name](world) if rank == 0 else {}
     hold = os.environ.get("SCENARIO_HOLD")
     if hold and rank == 0:

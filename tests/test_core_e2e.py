@@ -120,12 +120,20 @@ def test_builtins_and_torchscript_get_client_spans(basic_on):
         assert _children(spans, client) == []
 
 
-def test_rref_proxy_calls_keep_their_mode(basic_on):
+def test_rref_proxy_calls_are_named_by_the_method_they_run(basic_on):
+    """`counter.rpc_sync().incr(1)` is `Counter.incr` on both sides, torch's key kept as an attribute."""
     spans = basic_on[2]
-    for mode in ("sync", "async", "remote"):
-        (client,) = _clients(spans, f"rpc_{mode}#_local_invoke(worker0 -> worker1)")
+    for mode, method in (("sync", "Counter.incr"), ("async", "Counter.incr"), ("remote", "Counter.get")):
+        (client,) = _clients(spans, f"rpc_{mode}#{method}(worker0 -> worker1)")
         (server,) = _children(spans, client)
-        assert server["worker"] == "worker1"
+        assert server["worker"] == "worker1" and server["name"] == f"rpc_{mode}#{method}(worker0 -> worker1)"
+        for span in (client, server):
+            assert span["attrs"]["rpc.method"] == method
+            assert span["attrs"]["torch.rpc.profiling_key"] == f"rpc_{mode}#_local_invoke(worker0 -> worker1)"
+            assert span["attrs"]["torch.rpc.internal"] is False  # the user's work, carried by torch
+    assert not [s for s in spans if s["attrs"]["rpc.method"] == "_local_invoke"]
+    (helper,) = _clients(spans, "rpc_sync#call_method(worker0 -> worker1)")
+    assert helper["attrs"]["torch.rpc.target"] == "Counter.incr"
 
 
 def test_torch_internal_rpcs_are_labelled_not_hidden(basic_on):

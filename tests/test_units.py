@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from rpc_observe import config
 from rpc_observe.hooks import trailer
 from rpc_observe.hooks.pickler import tensor_sizes
 from rpc_observe.telemetry import propagation
@@ -49,27 +46,6 @@ def test_invalid_traceparents_are_rejected(value):
 def test_traceparent_round_trip():
     text = propagation.format_traceparent(0xABC, 0xDEF, True)
     assert propagation.parse_traceparent(text) == (0xABC, 0xDEF, True)
-
-
-def test_config_defaults_and_bad_values(caplog):
-    caplog.set_level(logging.WARNING, logger="rpc_observe")
-    default = config.load({})
-    assert (
-        default.traces_exporters == ("file",) and default.metrics_port is None and default.bsp_schedule_delay_s == 1.0
-    )
-    cfg = config.load(
-        {
-            "OTEL_TRACES_EXPORTER": "none",
-            "OTEL_BSP_EXPORT_TIMEOUT": "2500",
-            "RPC_OBSERVE_METRICS_PORT": "70000",
-            "OTEL_TRACES_SAMPLER": "sometimes",
-        }
-    )
-    assert cfg.traces_exporters == () and not cfg.tracing and cfg.bsp_export_timeout_s == 2.5
-    assert cfg.metrics_port is None and cfg.sampler == "parentbased_always_on"
-    assert "RPC_OBSERVE_METRICS_PORT='70000' is not valid" in caplog.text
-    assert "OTEL_TRACES_SAMPLER='sometimes' is not valid" in caplog.text
-    assert config.enabled({"RPC_OBSERVE": "On"}) and not config.enabled({"RPC_OBSERVE": "0"})
 
 
 def test_metric_families_are_cumulative_and_labelled():

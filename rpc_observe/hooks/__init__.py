@@ -20,6 +20,7 @@ def attach(runtime: Runtime) -> None:
     from . import calls, compat, torch_state
 
     runtime.add_housekeeping(calls.sweep)
+    runtime.add_closing(calls.end_unfinished)
     if runtime.metrics is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
     config = runtime.config

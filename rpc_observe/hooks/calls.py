@@ -8,6 +8,7 @@ A call starts in `client` (a `Call` per call), gets an id when its request is pi
   successful, unprofiled ending is done inline there with these names);
 - a done-callback (`Call.on_done`), for calls whose responses carry no echo (builtins,
   TorchScript, async_execution functions, `remote`);
+- `end_unfinished`, at rpc.shutdown(), exit and SIGTERM, with error.type=shutdown;
 - `sweep`, for calls that completed without an echoed response: a timeout, a lost peer,
   or a peer without rpc_observe (whose call sites then stop waiting for echoes);
 - `end_raised`, when torch raised before the call had a future.
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
     from .server import ServerSite
 
 local = threading.local()  # .call: the client call being serialized on this thread
-in_flight: dict[int, Call] = {}  # calls that end when their echoed response is unpickled, by call id
+# Every started call that has a future, by call id: those whose echoed response ends them,
+# and those a done-callback ends (so that shutdown, exit and SIGTERM can end what is left).
+in_flight: dict[int, Call] = {}
 next_id = itertools.count(1).__next__
 # The site and caller's call id of the UDF whose response is pickled next on a thread, by
 # thread id: torch's pool threads get a fresh Python thread state (and an empty
@@ -88,7 +91,8 @@ class Call:
 
     def on_done(self, future: Any) -> None:
         try:
-            self.fail(future_error(future))
+            if in_flight.pop(self.id, None) is not None:  # else a sweep or end_unfinished ended it
+                self.fail(future_error(future))
         except Exception:
             health.internal_error("client_done")
 
@@ -124,6 +128,23 @@ def sweep() -> None:
                 call.fail(error)
             except Exception:
                 health.internal_error("client_sweep")
+
+
+SHUTDOWN = "shutdown"
+
+
+def end_unfinished() -> None:
+    """Ends every call still in flight with error.type=shutdown (at rpc.shutdown(), exit, SIGTERM),
+    so that counters and spans agree on every started call."""
+    sweep()
+    with _sweep_lock:
+        unfinished = [in_flight.pop(call_id, None) for call_id in list(in_flight)]
+    for call in unfinished:
+        if call is not None:
+            try:
+                call.finish(None, (SHUTDOWN, "the process shut down before the call completed"))
+            except Exception:
+                health.internal_error("client_shutdown")
 
 
 def remote_error(obj: object) -> Error | None:

@@ -18,8 +18,8 @@ from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import fold_started
 from . import trailer
-from .calls import Call, end_raised, local
-from .naming import is_internal, method_name, profiling_key, span_attributes
+from .calls import Call, end_raised, in_flight, local, next_id
+from .naming import helper_target, is_internal, is_proxy, method_name, profiling_key, proxy_method, span_attributes
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
@@ -33,12 +33,17 @@ class ClientSite:
     __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "record", "cells", "started",
                  "request_cells", "response_cells", "trailer_head", "echoed")
 
-    def __init__(self, runtime: Runtime, func: Any, mode: str, dst: str) -> None:
-        self.method = method_name(func)
+    def __init__(self, runtime: Runtime, func: Any, mode: str, dst: str, named: str | None = None,
+                 target: str | None = None) -> None:
+        torch_name = method_name(func)
+        self.method = named or torch_name  # an RRef proxy call is named by the method it runs
         self.mode, self.dst = mode, dst
         self.key = profiling_key(mode, self.method, runtime.worker, dst)
         self.span_name = self.key if runtime.config.span_names == "key" else self.method
-        self.attributes = span_attributes(self.method, runtime.worker, dst, mode, self.key, is_internal(func))
+        torch_key = profiling_key(mode, torch_name, runtime.worker, dst)
+        self.attributes = span_attributes(self.method, runtime.worker, dst, mode, torch_key, is_internal(func))
+        if target is not None:
+            self.attributes["torch.rpc.target"] = target
         self.trailer_head = trailer.request_head(runtime.worker, mode)
         # Only a Python function's response goes through the pickler, and only a plain
         # one's is pickled on the thread that ran it, where the callee can echo the id.
@@ -53,13 +58,20 @@ class ClientSite:
         self.response_cells = metrics.message_cells("deserialize", "response", self.method) if metrics else None
 
 
-def _begin(runtime: Runtime, to: Any, func: Any, mode: str) -> Call | None:
+def _begin(runtime: Runtime, to: Any, func: Any, mode: str, udf_args: Any = None) -> Call | None:
     try:
         try:
             dst = to if type(to) is str else _worker_name(to)
         except Exception:  # an invalid destination: torch raises it to the caller, we count the failure
             dst = "unknown"
-        sites, key = runtime.client_sites, (func, mode, dst)
+        named = target = None
+        if is_proxy(func):
+            named = proxy_method(udf_args, local=False)
+        elif udf_args:
+            target = helper_target(udf_args)
+        # Sites that the arguments name are never cached by (func, mode, dst), the inline lookup's key.
+        key = (func, mode, dst) if named is None and target is None else (func, mode, dst, named, target)
+        sites = runtime.client_sites
         try:
             site = sites.get(key)
         except TypeError:  # an unhashable func: a site of its own, not cached
@@ -67,7 +79,7 @@ def _begin(runtime: Runtime, to: Any, func: Any, mode: str) -> Call | None:
         if site is None:
             if len(sites) > _MAX_SITES:
                 sites.clear()
-            site = sites[key] = ClientSite(runtime, func, mode, dst)
+            site = sites[key] = ClientSite(runtime, func, mode, dst, named, target)
         return Call(runtime, site)
     except Exception:
         health.internal_error("client_start")
@@ -95,7 +107,9 @@ def _watch(call: Call, future: Any) -> Any:
     try:
         if call.id:
             call.future = future
-        else:
+        else:  # in the table too, so that shutdown can end it; the callback takes it out
+            call.id = next_id()
+            in_flight[call.id] = call
             future.add_done_callback(call.on_done)
         if call.rf is not None:
             return call.runtime.profiler.client_end_on(call.rf, future)
@@ -117,7 +131,8 @@ def wrap_invoke_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
                     site = runtime.client_sites.get((func, mode, to)) if type(to) is str else None
                 except TypeError:  # an unhashable func
                     site = None
-                call = Call(runtime, site) if site is not None else _begin(runtime, to, func, mode)
+                call = Call(runtime, site) if site is not None else _begin(runtime, to, func, mode,
+                                                                           args[0] if args else kwargs.get("args"))
             except Exception:
                 health.internal_error("client_start")
         if call is None:
@@ -144,7 +159,8 @@ def wrap_remote(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def remote(to: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = _runtime.current
-        call = _begin(runtime, to, func, "remote") if runtime is not None else None
+        call = (_begin(runtime, to, func, "remote", args[0] if args else kwargs.get("args"))
+                if runtime is not None else None)
         if call is None:
             return original(to, func, *args, **kwargs)
         outer = getattr(local, "call", None)

@@ -41,9 +41,58 @@ def _method_name(func: Any) -> str:
     return getattr(func, "__qualname__", None) or type(func).__qualname__
 
 
+def _proxy_functions() -> frozenset[Any]:
+    from torch.distributed.rpc import rref_proxy
+
+    return frozenset((rref_proxy._local_invoke, rref_proxy._local_invoke_async_execution))
+
+
+PROXY_FUNCTIONS = _proxy_functions()  # what RRef proxies (`rref.rpc_sync().f()`) send
+
+
+def proxy_method(args: Any, local: bool) -> str | None:
+    """`Type.method` that an RRef proxy call runs, from its UDF arguments `(rref, func_name, args, kwargs)`.
+
+    `local`: the callee's owner RRef (its value is here); else the caller's, whose type the
+    proxy has already fetched (never fetched here: that would be an RPC). None if unknown.
+    """
+    try:
+        rref, func_name = args[0], args[1]
+        if local:
+            rref_type = type(rref.local_value())
+        else:
+            fut = rref._get_type(blocking=False)
+            if not fut.done():
+                return None
+            rref_type = fut.value()
+        return f"{rref_type.__qualname__}.{func_name}"
+    except Exception:
+        return None
+
+
+def helper_target(args: Any) -> str | None:
+    """The method a `_call_method(method, rref, *args)`-shaped helper runs (the PyTorch examples'
+    pattern): its qualname, if the first argument is a function and the second an RRef."""
+    try:
+        method, rref = args[0], args[1]
+    except (TypeError, IndexError, KeyError):
+        return None
+    if type(rref).__name__ != "PyRRef" or not callable(method):
+        return None
+    return getattr(method, "__qualname__", None)
+
+
 def is_internal(func: Any) -> bool:
-    """torch's own RPCs (init_rpc's all-gather, shutdown, RRef type queries)."""
-    return (getattr(func, "__module__", None) or "").startswith("torch.distributed")
+    """torch's own RPCs (init_rpc's all-gather, shutdown, RRef type queries), never the user's work
+    that torch carries (RRef proxy calls)."""
+    return not is_proxy(func) and (getattr(func, "__module__", None) or "").startswith("torch.distributed")
+
+
+def is_proxy(func: Any) -> bool:
+    try:
+        return func in PROXY_FUNCTIONS
+    except TypeError:  # unhashable
+        return False
 
 
 def profiling_key(mode: str, method: str, src: str, dst: str) -> str:

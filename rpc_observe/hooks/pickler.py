@@ -20,7 +20,7 @@ from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import MessageCells, fold_finished, fold_message
 from . import calls, trailer
-from .naming import method_name
+from .naming import is_proxy, method_name, proxy_method
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
@@ -76,7 +76,7 @@ def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any
         obj.rpc_observe_fields = fields  # for the wrapped _run_function
     if record is not None:
         if request:
-            cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func)
+            cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func, obj.args)
         else:
             cells = _unknown_cells(runtime, "deserialize", "request" if isinstance(obj, AttributeError) else "response")
         logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
@@ -84,12 +84,20 @@ def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any
     return obj
 
 
-def _request_cells(runtime: Runtime, func: Any) -> MessageCells:
-    cells = runtime.metrics.message_cells("deserialize", "request", method_name(func))
+def _request_cells(runtime: Runtime, func: Any, args: Any = None) -> MessageCells:
+    """The request metrics of `func`; an RRef proxy's are cached per method it runs, never by func alone."""
+    key, name = func, None
+    if is_proxy(func):
+        name = proxy_method(args, local=True)
+        key = (func, name)
+        cached = runtime.request_cells.get(key)
+        if cached is not None:
+            return cached
+    cells = runtime.metrics.message_cells("deserialize", "request", name or method_name(func))
     try:
         if len(runtime.request_cells) > _MAX_CACHED:
             runtime.request_cells.clear()
-        runtime.request_cells[func] = cells
+        runtime.request_cells[key] = cells
     except TypeError:  # an unhashable callable
         pass
     return cells
@@ -207,7 +215,7 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                         obj = _tuple_new(_IncomingUDF, obj)
                         obj.rpc_observe_fields = fields  # for the wrapped _run_function
                         if runtime.metrics is not None:
-                            cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func)
+                            cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func, obj.args)
                             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
                             runtime.metrics.record((fold_message, cells, len(data) - size - _OVERHEAD, len(tensors),
                                                     logical, traveling, seconds, None, 0))

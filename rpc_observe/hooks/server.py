@@ -21,7 +21,7 @@ from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import fold_served
 from . import trailer
 from .calls import future_error, pending_replies, remote_error
-from .naming import is_internal, method_name, profiling_key, span_attributes
+from .naming import PROXY_FUNCTIONS, is_internal, method_name, profiling_key, proxy_method, span_attributes
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
@@ -32,6 +32,7 @@ _thread_id = threading.get_ident
 UNKNOWN = "unknown"
 _MAX_SITES = 10_000
 _SRC, _MODE, _CALL_ID, _CONTEXT = trailer.SRC, trailer.MODE, trailer.CALL_ID, trailer.CONTEXT
+_PROXIES = PROXY_FUNCTIONS
 
 
 class ServerSite:
@@ -40,21 +41,23 @@ class ServerSite:
     __slots__ = ("key", "span_name", "method", "src", "attributes", "record", "duration", "response_cells",
                  "is_async", "replies")
 
-    def __init__(self, runtime: Runtime, func: Any, src: str, mode: str) -> None:
-        self.method = method_name(func) if func is not None else UNKNOWN
+    def __init__(self, runtime: Runtime, func: Any, src: str, mode: str, named: str | None = None) -> None:
+        torch_name = method_name(func) if func is not None else UNKNOWN
+        self.method = named or torch_name  # an RRef proxy call is named by the method it runs
         self.src = src
         self.is_async = hasattr(func, "_wrapped_async_rpc_function")
         self.replies = mode != "remote" and not self.is_async  # a response is pickled on this thread
         self.key = profiling_key(mode, self.method, src, runtime.worker)
         self.span_name = self.key if runtime.config.span_names == "key" else self.method
-        self.attributes = span_attributes(self.method, src, runtime.worker, mode, self.key, is_internal(func))
+        torch_key = profiling_key(mode, torch_name, src, runtime.worker)
+        self.attributes = span_attributes(self.method, src, runtime.worker, mode, torch_key, is_internal(func))
         metrics = runtime.metrics
         self.record = metrics.record if metrics else None
         self.duration = metrics.server_cell(self.method, src) if metrics else None
         self.response_cells = metrics.message_cells("serialize", "response", self.method) if metrics else None
 
 
-def _site(runtime: Runtime, key: tuple[Any, str, str]) -> ServerSite:
+def _site(runtime: Runtime, key: tuple[Any, ...]) -> ServerSite:
     sites = runtime.server_sites
     site = ServerSite(runtime, *key)
     try:
@@ -109,8 +112,11 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         try:
             fields = getattr(python_udf, "rpc_observe_fields", None)  # the caller's trailer, set by the pickler
             func = getattr(python_udf, "func", None)  # None: the UDF could not be unpickled
-            key = (func, fields[_SRC], fields[_MODE]) if fields is not None else (func, UNKNOWN, UNKNOWN)
+            key: tuple[Any, ...] = (
+                (func, fields[_SRC], fields[_MODE]) if fields is not None else (func, UNKNOWN, UNKNOWN))
             try:
+                if func in _PROXIES:  # an RRef proxy call: a site per method it runs
+                    key += (proxy_method(python_udf.args, local=True),)
                 site = runtime.server_sites.get(key) or _site(runtime, key)
             except TypeError:  # an unhashable func
                 site = _site(runtime, key)

@@ -105,6 +105,8 @@ class OtlpJsonFileSink:
         # Formatted by hand: json.dumps of a dict per span cost the worker's GIL ~3x more.
         line = self._head + ",".join(self._span_json(r) for r in records) + "]}]}]}\n"
         with self._lock:
+            if self._file.closed:  # shut down under a hung export: counted as dropped
+                return False
             self._file.write(line)
             self._file.flush()
         return True

@@ -54,6 +54,8 @@ def serve(registry: CollectorRegistry, config: Config, rank: int | None) -> tupl
 def write_target(targets_dir: str, worker: str, addr: str, port: int, run_id: str) -> str:
     """Writes `<targets_dir>/<worker>.json` in Prometheus file_sd format, atomically."""
     host = "127.0.0.1" if addr in ("", "0.0.0.0") else ("[::1]" if addr == "::" else addr)
+    if ":" in host and not host.startswith("["):  # an IPv6 address: host:port needs brackets
+        host = f"[{host}]"
     target = [
         {
             "targets": [f"{host}:{port}"],

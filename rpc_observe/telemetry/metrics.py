@@ -241,8 +241,8 @@ class Metrics(Collector):
     def drain(self, limit: int | None = None) -> bool:
         """Folds up to `limit` queued records (all if None) into the metric cells; True if some are left."""
         records, pop = self._records, self._records.popleft
-        n = len(records) if limit is None else min(limit, len(records))
         with self.lock:
+            n = len(records) if limit is None else min(limit, len(records))
             for _ in range(n):
                 record = pop()
                 record[0](record)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import RPC_OBSERVE_DIR, Config
-from . import exposition, health
+from . import exposition, health, signals
 
 _logger = logging.getLogger("rpc_observe")
 current: Runtime | None = None
@@ -50,6 +50,9 @@ class Runtime:
         self.server_sites: dict[Any, Any] = {}
         self.request_cells: dict[Any, Any] = {}  # cells of incoming requests by function, and of unknown messages
         self._housekeeping: list[Callable[[], None]] = []
+        self._closing: list[Callable[[], None]] = []
+        self._closed = False
+        self._close_lock = threading.RLock()
         self.out_dir = self._make_out_dir()
         if config.metrics:
             self._start_metrics(rank, self.out_dir)
@@ -65,6 +68,24 @@ class Runtime:
     def run_hooks(self) -> None:
         for hook in self._housekeeping:
             hook()
+
+    def add_closing(self, hook: Callable[[], None]) -> None:
+        """Runs `hook` when RPC stops (rpc.shutdown(), exit, SIGTERM): the hooks end what is in flight."""
+        self._closing.append(hook)
+
+    def forget_torch(self) -> None:
+        """From now on a scrape reads nothing of torch's state (torch is shutting down or exiting)."""
+        if self.metrics is not None:
+            self.metrics.agent_info = None
+
+    def stopping(self) -> None:
+        """RPC is stopping: read nothing of torch's state from now on, and end the calls in flight."""
+        self.forget_torch()
+        for hook in self._closing:
+            try:
+                hook()
+            except Exception:
+                health.internal_error("closing")
 
     def housekeeping(self) -> None:
         """Runs the hooks (the hooks' call sweep), then folds queued metric records.
@@ -151,18 +172,28 @@ class Runtime:
             self.profile_session.finish()
 
     def close(self) -> None:
-        self._stopped.set()
-        self.finish_profile()
-        if self.tracer is not None:
-            self.tracer.shutdown()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self.target_path is not None:
-            try:
-                os.remove(self.target_path)
-            except OSError:
-                pass
+        """Ends what is in flight, writes the spans (bounded), closes the endpoint, removes the target file."""
+        # A signal watcher, the main thread's signal handler and atexit may all close: the
+        # second waits until the first is done (the process may end right after it returns).
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            _forget(self)  # calls that start from now on go unobserved, rather than half recorded
+            if self.target_path is not None:  # first: Prometheus stops scraping a dead endpoint
+                try:
+                    os.remove(self.target_path)
+                except OSError:
+                    pass
+            self.stopping()
+            self.housekeeping()
+            self._stopped.set()
+            self.finish_profile()
+            if self.tracer is not None:
+                self.tracer.shutdown()
+            if self._server is not None:
+                self._server.shutdown()
+                self._server.server_close()
 
 
 def start(
@@ -189,8 +220,17 @@ def start(
             health.internal_error("start")
             return None
         current = runtime
-        atexit.register(_close_at_exit, runtime)
+        atexit.register(_close_at_exit, runtime)  # after torch's own: runs before torch tears down
+        if config.signals:
+            signals.install(runtime.close)
         return runtime
+
+
+def _forget(runtime: Runtime) -> None:
+    global current
+    with _start_lock:
+        if current is runtime:
+            current = None
 
 
 def _close_at_exit(runtime: Runtime) -> None:
@@ -205,6 +245,7 @@ def stop() -> None:
     global current
     with _start_lock:
         runtime, current = current, None
+    signals.uninstall()
     if runtime is not None:
         try:
             runtime.close()

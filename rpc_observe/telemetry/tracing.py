@@ -87,6 +87,7 @@ class Tracer:
         self.serving: dict[int, SpanRecord] = {}  # thread id -> the SERVER span of the UDF it runs
         self._max_queue = config.bsp_max_queue_size
         self._wake = threading.Event()
+        self._export_lock = threading.Lock()
         self._stopping = False
         self._stuck = False
         self._fast_propagation = set(config.propagators) <= {"tracecontext", "baggage"}
@@ -194,6 +195,12 @@ class Tracer:
             self._export_queued()
 
     def _export_queued(self) -> None:
+        """Exports everything queued. One export at a time: a flush that finds the export thread
+        writing a batch waits for it, so the sinks are never shut down under a write."""
+        with self._export_lock:
+            self._export_batches()
+
+    def _export_batches(self) -> None:
         queue, size = self._queue, self._config.bsp_max_export_batch_size
         while queue:
             batch = [queue.popleft() for _ in range(min(size, len(queue)))]
@@ -216,7 +223,7 @@ class Tracer:
             wait = min(wait, 0.1)
         done = threading.Event()
 
-        def _flush():
+        def _flush() -> None:
             try:
                 self._export_queued()
             finally:
@@ -240,6 +247,7 @@ class Tracer:
             )
             health.spans_lost(len(self._queue))
             self._queue.clear()
+        self._thread.join(0.1 if self._stuck else self._config.bsp_export_timeout_s)
         for sink in self._sinks:
             try:
                 sink.shutdown()

@@ -1,0 +1,40 @@
+"""Fixtures of the in-process unit tests: fresh globals for every test, as in
+opentelemetry-python-contrib's TestBase, and the `tests/` helpers on sys.path."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rpc_observe import _bootstrap, _patching
+from rpc_observe.telemetry import health, runtime
+
+TESTS = str(Path(__file__).resolve().parents[1])
+if TESTS not in sys.path:  # `from cluster import ...` as in tests/conftest.py
+    sys.path.insert(0, TESTS)
+
+
+def reset_health() -> None:
+    with health._lock:
+        health.internal_errors.clear()
+        health.spans_dropped[0] = 0
+        health.invalid_contexts[0] = 0
+
+
+@pytest.fixture(autouse=True)
+def fresh_globals() -> Iterator[None]:
+    """Zeroed health counters, no current runtime, no patches and no post-import finders of a test's own."""
+    reset_health()
+    current = runtime.current
+    applied = list(_patching._applied)
+    meta_path = list(sys.meta_path)
+    runtime.current = None
+    yield
+    runtime.current = current
+    _patching._applied[:] = applied
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _bootstrap._PostImportFinder)
+                        or f in meta_path]
+    reset_health()
