@@ -28,6 +28,7 @@ RPC_OBSERVE_PROFILE_MAX_SECONDS = "RPC_OBSERVE_PROFILE_MAX_SECONDS"
 RPC_OBSERVE_SPAN_NAMES = "RPC_OBSERVE_SPAN_NAMES"
 RPC_OBSERVE_MAX_EXCEPTION_MESSAGE = "RPC_OBSERVE_MAX_EXCEPTION_MESSAGE"
 RPC_OBSERVE_SIGNALS = "RPC_OBSERVE_SIGNALS"
+RPC_OBSERVE_GIL_PROFILING = "RPC_OBSERVE_GIL_PROFILING"
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
@@ -59,6 +60,7 @@ class Config:
     span_names: str = "key"  # "key": torch's profiling key; "method": {rpc.method}
     max_exception_message: int = 256
     signals: bool = True  # flush on SIGTERM (telemetry/signals.py)
+    gil_profiling: bool = False  # torch's rpc.enable_gil_profiling(True) after init_rpc
     traces_exporters: tuple[str, ...] = ("file",)
     otlp_protocol: str = "http/protobuf"
     sampler: str = "parentbased_always_on"
@@ -170,6 +172,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         span_names=span_names,
         max_exception_message=_number(env, RPC_OBSERVE_MAX_EXCEPTION_MESSAGE, 256, 0, 65536),
         signals=_flag(env, RPC_OBSERVE_SIGNALS, True),
+        gil_profiling=_flag(env, RPC_OBSERVE_GIL_PROFILING, False),
         traces_exporters=exporters,
         otlp_protocol=protocol,
         sampler=sampler,

@@ -63,7 +63,15 @@ def _wrap_init_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         except Exception:
             health.internal_error("init_rpc")
-        return original(name, *args, **kwargs)
+        result = original(name, *args, **kwargs)
+        if _Settings.get().gil_profiling:
+            try:  # the agent then reports its threads' GIL wait: torch_rpc_agent_gil_wait_seconds
+                import torch.distributed.rpc as rpc
+
+                rpc.enable_gil_profiling(True)
+            except Exception:
+                health.internal_error("gil_profiling")
+        return result
 
     return init_rpc
 

@@ -16,7 +16,8 @@ HIST = "torch_rpc_client_duration_seconds_count"
 def run(tmp_path_factory):
     """The `metrics` scenario, held while the test scrapes every worker and Prometheus does too."""
     path = tmp_path_factory.mktemp("metrics")
-    cluster = Cluster(path, "metrics", env={"RPC_OBSERVE": "1"}, hold=True)
+    cluster = Cluster(path, "metrics", env={"RPC_OBSERVE": "1"}, rank_env={1: {"RPC_OBSERVE_GIL_PROFILING": "1"}},
+                      hold=True)
     try:
         expected = cluster.wait_ready()
         targets = cluster.targets()
@@ -122,6 +123,12 @@ def test_agent_saturation_gauges(run):
             "server",
             "async",
         }
+
+
+def test_gil_wait_only_where_gil_profiling_was_switched_on(run):
+    gil = "torch_rpc_agent_gil_wait_seconds"
+    assert [n for n, _, _ in run[2]["worker1"] if n == gil] == [gil]
+    assert [n for n, _, _ in run[2]["worker0"] if n == gil] == []
 
 
 def test_latency_buckets_span_50us_to_60s(run):
