@@ -47,6 +47,7 @@ def test_empty_environ_is_the_documented_defaults(caplog: pytest.LogCaptureFixtu
         "out_dir": "rpc_observe_out", "run_id": "", "metrics": True, "metrics_port": None,
         "metrics_addr": "127.0.0.1", "max_methods": 100, "profiler_events": True, "profile": False,
         "profile_max_seconds": 300.0, "span_names": "key", "max_exception_message": 256, "signals": True,
+        "gil_profiling": False,
         "traces_exporters": ("file",), "otlp_protocol": "http/protobuf", "sampler": "parentbased_always_on",
         "sampler_ratio": 1.0, "propagators": ("tracecontext", "baggage"), "service_name": "",
         "bsp_schedule_delay_s": 1.0, "bsp_max_queue_size": 16384, "bsp_max_export_batch_size": 2048,
@@ -63,6 +64,7 @@ BAD = [
     ("RPC_OBSERVE_PROFILER_EVENTS", "2", f"{FLAG}; using 1", {}),
     ("RPC_OBSERVE_PROFILE", "sometimes", f"{FLAG}; using 0", {}),
     ("RPC_OBSERVE_SIGNALS", "enabled", f"{FLAG}; using 1", {}),
+    ("RPC_OBSERVE_GIL_PROFILING", "enabled", f"{FLAG}; using 0", {}),
     ("RPC_OBSERVE_METRICS_PORT", "70000", "a int from 1 to 65535; using the OS's choice", {}),
     ("RPC_OBSERVE_METRICS_PORT", "0", "a int from 1 to 65535; using the OS's choice", {}),
     ("RPC_OBSERVE_METRICS_PORT", "http", "a int from 1 to 65535; using the OS's choice", {}),
@@ -100,6 +102,7 @@ def test_a_bad_value_warns_once_and_uses_the_default(caplog: pytest.LogCaptureFi
 
 
 LOWERCASED = {"RPC_OBSERVE_METRICS", "RPC_OBSERVE_PROFILER_EVENTS", "RPC_OBSERVE_PROFILE", "RPC_OBSERVE_SIGNALS",
+              "RPC_OBSERVE_GIL_PROFILING",
               "RPC_OBSERVE_SPAN_NAMES", "OTEL_TRACES_SAMPLER"}
 
 
@@ -139,6 +142,7 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
         "RPC_OBSERVE_METRICS_PORT": " 65535 ", "RPC_OBSERVE_METRICS_ADDR": " 0.0.0.0 ", "RPC_OBSERVE_MAX_METHODS": "1",
         "RPC_OBSERVE_PROFILER_EVENTS": "no", "RPC_OBSERVE_PROFILE": "YES", "RPC_OBSERVE_PROFILE_MAX_SECONDS": "86400",
         "RPC_OBSERVE_SPAN_NAMES": "Method", "RPC_OBSERVE_MAX_EXCEPTION_MESSAGE": "0", "RPC_OBSERVE_SIGNALS": "false",
+        "RPC_OBSERVE_GIL_PROFILING": "on",
         "OTEL_TRACES_EXPORTER": "otlp,console", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         "OTEL_TRACES_SAMPLER": " TraceIdRatio ", "OTEL_TRACES_SAMPLER_ARG": "0.25", "OTEL_PROPAGATORS": "b3multi",
         "OTEL_SERVICE_NAME": "trainer", "OTEL_BSP_SCHEDULE_DELAY": "250", "OTEL_BSP_MAX_QUEUE_SIZE": "1",
@@ -147,7 +151,7 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
     assert dataclasses.asdict(cfg) == {
         "out_dir": "/tmp/out", "run_id": "run-1", "metrics": False, "metrics_port": 65535, "metrics_addr": "0.0.0.0",
         "max_methods": 1, "profiler_events": False, "profile": True, "profile_max_seconds": 86400.0,
-        "span_names": "method", "max_exception_message": 0, "signals": False,
+        "span_names": "method", "max_exception_message": 0, "signals": False, "gil_profiling": True,
         "traces_exporters": ("otlp", "console"), "otlp_protocol": "grpc", "sampler": "traceidratio",
         "sampler_ratio": 0.25, "propagators": ("b3multi",), "service_name": "trainer", "bsp_schedule_delay_s": 0.25,
         "bsp_max_queue_size": 1, "bsp_max_export_batch_size": 10_000_000, "bsp_export_timeout_s": 0.001}
