@@ -276,6 +276,43 @@ def death(world):
     return {"errors": errors, "alive": rpc.rpc_sync("worker1", add, args=(torch.ones(1), 1)).tolist()}
 
 
+def make_tensor(n):
+    return torch.ones(n)
+
+
+def make_weight():
+    return torch.ones(4, requires_grad=True)
+
+
+def linear(w, x):
+    return (w * x).sum()
+
+
+def traffic(world):
+    """Traffic the pickler never sees: tensor RRef fetches, dist_autograd.backward, DistributedOptimizer.step.
+
+    Keeps `keep` owner RRefs alive on worker1 while the test scrapes its RRef gauges.
+    """
+    import torch.distributed.autograd as dist_autograd
+    from torch.distributed.optim import DistributedOptimizer
+
+    global _kept
+    _kept = [rpc.remote("worker1", make_tensor, args=(1000 + i,)) for i in range(3)]
+    fetched = [r.to_here().numel() for r in _kept]  # three tensor fetches, 4 kB each
+    w_rref = rpc.remote("worker1", make_weight)
+    w_rref.to_here()
+    optimizer = DistributedOptimizer(torch.optim.SGD, [w_rref], lr=0.1)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", linear, args=(w_rref.to_here(), torch.ones(4)))
+        loss = rpc.rpc_sync("worker2", linear, args=(torch.ones(4, requires_grad=True), torch.ones(4))) + loss
+        dist_autograd.backward(context_id, [loss])
+        optimizer.step(context_id)
+    return {"fetched": fetched, "contexts_after": int(dist_autograd._get_debug_info()["num_autograd_contexts"])}
+
+
+_kept = []
+
+
 def sigterm(world):
     """rank 0: calls in flight, main thread blocked in C++, when the test SIGTERMs this process."""
     t = torch.ones(4)
@@ -397,6 +434,7 @@ SCENARIOS = {
     "hostile": hostile,
     "death": death,
     "sigterm": sigterm,
+    "traffic": traffic,
     "custom_pickler": custom_pickler,
     "rref_in_args": rref_in_args,
     "soak": soak,

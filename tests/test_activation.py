@@ -20,6 +20,9 @@ SNAPSHOT = r"""
 import json, sys, torch, torch.distributed.rpc as rpc
 from torch.distributed.rpc import api, internal
 import torch.autograd.profiler as ap
+import torch.distributed.autograd as dist_autograd
+from torch._C._distributed_rpc import PyRRef
+from torch.distributed.optim import DistributedOptimizer
 
 def snapshot():
     return {
@@ -32,6 +35,8 @@ def snapshot():
         "rpc.init_rpc": id(rpc.init_rpc), "api.shutdown": id(api.shutdown), "rpc.shutdown": id(rpc.shutdown),
         "profile._start_trace": id(ap.profile.__dict__["_start_trace"]),
         "profile.export_chrome_trace": id(ap.profile.__dict__["export_chrome_trace"]),
+        "PyRRef.to_here": id(PyRRef.__dict__["to_here"]), "dist_autograd.backward": id(dist_autograd.backward),
+        "DistributedOptimizer.step": id(DistributedOptimizer.__dict__["step"]),
     }
 """
 
@@ -139,6 +144,9 @@ print(json.dumps({"changed": changed, "restored": before == after, "value": valu
     assert result["restored"] is True and result["value"] == [2.0, 2.0]
     assert result["changed"] == sorted(
         [
+            "PyRRef.to_here",
+            "dist_autograd.backward",
+            "DistributedOptimizer.step",
             "api._invoke_rpc",
             "api.remote",
             "rpc.remote",

@@ -23,6 +23,9 @@ def attach(runtime: Runtime) -> None:
     runtime.add_closing(calls.end_unfinished)
     if runtime.metrics is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
+        runtime.state.source = torch_state.debug_state
+    if compat.check("traffic"):
+        _patch_traffic()
     config = runtime.config
     if (config.profiler_events or config.profile) and compat.check("profiler"):
         from .profiler_events import ProfilerEvents
@@ -35,3 +38,18 @@ def attach(runtime: Runtime) -> None:
         path = os.path.join(runtime.out_dir, "profiler", f"{runtime.worker}.json")
         runtime.profile_session = ProfileSession(path, runtime.worker, runtime.rank, runtime.world_size,
                                                  config.profile_max_seconds)
+
+
+def _patch_traffic() -> None:
+    """The entry points of traffic the pickler never sees (hooks/traffic.py): patched at init_rpc,
+    when torch is fully imported (torch.distributed.optim is not, when the rpc module is)."""
+    import torch.distributed.autograd as dist_autograd
+    from torch._C._distributed_rpc import PyRRef
+    from torch.distributed.optim import DistributedOptimizer
+
+    from .. import _patching
+    from . import traffic
+
+    _patching.patch(PyRRef, "to_here", traffic.wrap_to_here)
+    _patching.patch(dist_autograd, "backward", traffic.wrap_backward)
+    _patching.patch(DistributedOptimizer, "step", traffic.wrap_optimizer_step)

@@ -66,6 +66,25 @@ def _profiler_expectations() -> list[Expectation]:
     ]
 
 
+def _traffic_expectations() -> list[Expectation]:
+    import torch.distributed.autograd as dist_autograd
+    from torch._C._distributed_rpc import PyRRef
+    from torch.distributed.optim import DistributedOptimizer
+
+    return [
+        ("torch._C._distributed_rpc.PyRRef.to_here", lambda: PyRRef.__dict__["to_here"], None),
+        ("torch._C._distributed_rpc.PyRRef.is_owner", lambda: PyRRef.is_owner, None),
+        ("torch._C._distributed_rpc.PyRRef.owner_name", lambda: PyRRef.owner_name, None),
+        ("torch.distributed.autograd.backward", lambda: dist_autograd.backward, None),
+        ("torch.distributed.autograd._retrieve_context", lambda: dist_autograd._retrieve_context, None),
+        ("torch.distributed.optim.DistributedOptimizer.step", lambda: DistributedOptimizer.step,
+         ("self", "context_id")),
+    ]
+
+
+_GROUPS = {"rpc": _rpc_expectations, "profiler": _profiler_expectations, "traffic": _traffic_expectations}
+
+
 def _same(a: Any, b: Any) -> Any:
     if a is not b:
         raise TypeError("is not torch.distributed.rpc.api.rpc_async")
@@ -96,10 +115,10 @@ def _problem(getter: Callable[[], Any], parameters: tuple[str, ...] | None) -> s
 
 
 def check(group: str, expectations: list[Expectation] | None = None) -> bool:
-    """True if every object of `group` ("rpc" or "profiler") is as the hooks expect; else warns once."""
+    """True if every object of `group` ("rpc", "profiler", "traffic") is as the hooks expect; else warns once."""
     try:
         if expectations is None:
-            expectations = _rpc_expectations() if group == "rpc" else _profiler_expectations()
+            expectations = _GROUPS[group]()
     except Exception as e:
         problems = [f"torch {group} modules: {type(e).__name__}: {e}"]
     else:
@@ -115,6 +134,7 @@ TESTED = "tested with torch 2.13.0 and 2.14.1"
 _CONSEQUENCE = {
     "rpc": "Nothing of torch is patched; torch RPC runs uninstrumented.",
     "profiler": "torch's profiler is left unpatched and profiler events are off; spans and metrics go on.",
+    "traffic": "RRef.to_here, dist_autograd.backward and DistributedOptimizer.step are left unpatched (unseen).",
 }
 
 

@@ -82,10 +82,16 @@ def helper_target(args: Any) -> str | None:
     return getattr(method, "__qualname__", None)
 
 
+# The modules of torch's RPC plumbing: init_rpc's all-gather, shutdown, RRef type queries,
+# group membership. Work that torch does for the user (RRef proxies, DistributedOptimizer,
+# RemoteModule) is not internal.
+_PLUMBING = frozenset(("torch.distributed.rpc.api", "torch.distributed.rpc.internal", "torch.distributed.rpc._utils",
+                       "torch.distributed.rpc.backend_registry", "torch.distributed.rpc.constants"))
+
+
 def is_internal(func: Any) -> bool:
-    """torch's own RPCs (init_rpc's all-gather, shutdown, RRef type queries), never the user's work
-    that torch carries (RRef proxy calls)."""
-    return not is_proxy(func) and (getattr(func, "__module__", None) or "").startswith("torch.distributed")
+    """torch's own plumbing that the user did not ask for, never the user's work that torch carries."""
+    return getattr(func, "__module__", None) in _PLUMBING
 
 
 def is_proxy(func: Any) -> bool:

@@ -10,3 +10,38 @@ def agent_debug_info() -> dict[str, Any]:
     from torch.distributed.rpc import api
 
     return api._get_current_rpc_agent().get_debug_info()
+
+
+# torch's debug counters, as (metric name, source, key, help); read at scrape time.
+DEBUG_GAUGES = (
+    ("torch_rpc_rref_owners", "rref", "num_owner_rrefs", "OwnerRRefs this worker holds (a steady rise is a leak)."),
+    ("torch_rpc_rref_pending_users", "rref", "num_pending_users", "UserRRefs waiting for their owner's confirmation."),
+    ("torch_rpc_rref_forks", "rref", "num_forks", "RRef forks this worker still tracks."),
+    ("torch_rpc_rref_pending_futures", "rref", "num_pending_futures", "OwnerRRef values not yet set."),
+    ("torch_rpc_dist_autograd_contexts", "autograd", "num_autograd_contexts",
+     "Live distributed autograd contexts (a steady rise is a leak)."),
+    ("torch_rpc_dist_autograd_backward_passes", "autograd", "num_current_backward_passes",
+     "Distributed backward passes in progress."),
+)
+
+
+def debug_state() -> list[tuple[str, str, float]]:
+    """(metric name, help, value) of torch's RRef and distributed autograd debug info."""
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+
+    sources: dict[str, dict[str, Any]] = {}
+    try:
+        sources["rref"] = rpc._rref_context_get_debug_info()
+    except Exception:  # no RRef context (before init_rpc, after shutdown)
+        pass
+    try:
+        sources["autograd"] = dist_autograd._get_debug_info()
+    except Exception:
+        pass
+    found = []
+    for name, source, key, doc in DEBUG_GAUGES:
+        value = sources.get(source, {}).get(key)
+        if value is not None:
+            found.append((name, doc, float(value)))
+    return found

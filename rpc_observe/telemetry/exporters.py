@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import __version__
 from ..config import Config
-from .tracing import SERVER, SpanRecord
+from .tracing import CLIENT, INTERNAL, SERVER, SpanRecord
 
 _logger = logging.getLogger("rpc_observe")
 SCOPE = {"name": "rpc_observe", "version": __version__}
@@ -116,6 +116,12 @@ class OtlpJsonFileSink:
             self._file.close()
 
 
+def _sdk_kind(kind: int) -> Any:
+    from opentelemetry.trace import SpanKind
+
+    return {INTERNAL: SpanKind.INTERNAL, SERVER: SpanKind.SERVER, CLIENT: SpanKind.CLIENT}[kind]
+
+
 class SdkExporterSink:
     """Hands span records to an OpenTelemetry SDK `SpanExporter` as `ReadableSpan`s."""
 
@@ -129,7 +135,7 @@ class SdkExporterSink:
 
     def _readable(self, record: SpanRecord) -> Any:
         from opentelemetry.sdk.trace import Event, ReadableSpan
-        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+        from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
         flags = TraceFlags(TraceFlags.SAMPLED)
         parent = (
@@ -154,7 +160,7 @@ class SdkExporterSink:
             resource=self._resource,
             attributes=attributes,
             events=events,
-            kind=SpanKind.SERVER if record.kind == SERVER else SpanKind.CLIENT,
+            kind=_sdk_kind(record.kind),
             status=status,
             start_time=record.start_ns,
             end_time=record.end_ns,

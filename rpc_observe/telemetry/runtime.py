@@ -38,6 +38,7 @@ class Runtime:
         self.world_size = world_size
         self.run_id = config.run_id
         self.metrics: Any = None  # telemetry.metrics.Metrics when RPC_OBSERVE_METRICS is on
+        self.state: Any = None  # telemetry.state.StateGauges, with metrics
         self.tracer: Any = None  # telemetry.tracing.Tracer when a traces exporter is set
         self.profiler: Any = None  # hooks.profiler_events.ProfilerEvents, attached by the hooks
         self.profile_session: Any = None  # RPC_OBSERVE_PROFILE's session, attached by the hooks
@@ -77,6 +78,7 @@ class Runtime:
         """From now on a scrape reads nothing of torch's state (torch is shutting down or exiting)."""
         if self.metrics is not None:
             self.metrics.agent_info = None
+            self.state.source = None
 
     def stopping(self) -> None:
         """RPC is stopping: read nothing of torch's state from now on, and end the calls in flight."""
@@ -127,10 +129,13 @@ class Runtime:
         from prometheus_client import CollectorRegistry
 
         from .metrics import Metrics
+        from .state import StateGauges
 
         self.metrics = Metrics(self.worker, self.config.max_methods, None, self.run_hooks)
+        self.state = StateGauges(self.worker)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)
+        registry.register(self.state)
         try:
             self._server, self.metrics_port = exposition.serve(registry, self.config, rank)
         except Exception as e:

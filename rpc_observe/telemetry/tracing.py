@@ -26,7 +26,8 @@ from . import health, propagation
 
 _logger = logging.getLogger("rpc_observe")
 
-SERVER = 2  # OTLP SpanKind values
+INTERNAL = 1  # OTLP SpanKind values
+SERVER = 2
 CLIENT = 3
 _getrandbits = random.getrandbits
 
@@ -105,8 +106,8 @@ class Tracer:
             return parent_sampled
         return (trace_id & 0xFFFFFFFFFFFFFFFF) < self._root_bound
 
-    def start_client(self, name: str, attributes: dict, start_ns: int) -> SpanRecord:
-        """A CLIENT span, child of the UDF this thread serves, or of the current OpenTelemetry span."""
+    def start_client(self, name: str, attributes: dict, start_ns: int, kind: int = CLIENT) -> SpanRecord:
+        """A CLIENT (or `kind`) span, child of the span this thread serves, or of the current OpenTelemetry span."""
         serving = self.serving.get(_get_ident()) if self.serving else None
         if serving is not None:
             trace_id, parent_id, sampled, remote = serving.trace_id, serving.span_id, serving.sampled, False
@@ -119,7 +120,11 @@ class Tracer:
             else:
                 trace_id, parent_id, remote = _getrandbits(128), 0, False
                 sampled = self._should_sample(trace_id, None)
-        return SpanRecord(name, CLIENT, trace_id, _getrandbits(64), parent_id, remote, sampled, attributes, start_ns)
+        return SpanRecord(name, kind, trace_id, _getrandbits(64), parent_id, remote, sampled, attributes, start_ns)
+
+    def start_internal(self, name: str, attributes: dict, start_ns: int) -> SpanRecord:
+        """An INTERNAL span (dist_autograd.backward, DistributedOptimizer.step), parented like a client span."""
+        return self.start_client(name, attributes, start_ns, INTERNAL)
 
     def context_text(self, span: SpanRecord) -> str:
         """The propagator carrier, as trailer fields, that makes `span` the parent of the callee's span."""

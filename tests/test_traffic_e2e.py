@@ -1,0 +1,54 @@
+"""Traffic that never reaches the Python pickler: RRef.to_here(), dist_autograd.backward,
+DistributedOptimizer.step, and torch's own RRef and autograd state as gauges."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import Cluster, total
+
+INTERNAL, CLIENT = 1, 3
+
+
+@pytest.fixture(scope="module")
+def traffic(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("traffic"), "traffic", env={"RPC_OBSERVE": "1"}, hold=True)
+    result, scraped = cluster.scrape_held()
+    results = cluster.wait()
+    assert results[0]["fetched"] == [1000, 1001, 1002]  # what torch returned, unchanged
+    return cluster, scraped, cluster.spans()
+
+
+def test_to_here_is_a_client_span_and_a_client_call(traffic):
+    cluster, scraped, spans = traffic
+    fetches = [s for s in spans if s["name"] == "rpc_to_here#RRef.to_here(worker0 -> worker1)"]
+    assert len(fetches) == 5 and {s["kind"] for s in fetches} == {CLIENT}  # 3 tensors, the weight twice
+    assert all(int(s["endTimeUnixNano"]) > int(s["startTimeUnixNano"]) for s in fetches)
+    assert fetches[0]["attrs"]["rpc.method"] == "RRef.to_here" and fetches[0]["attrs"]["torch.rpc.dst"] == "worker1"
+    w0 = scraped["worker0"]
+    assert total(w0, "torch_rpc_client_requests_total", method="RRef.to_here", mode="to_here") == 5
+    assert total(w0, "torch_rpc_client_duration_seconds_count", method="RRef.to_here", mode="to_here") == 5
+
+
+def test_backward_and_optimizer_step_are_spans_and_parents(traffic):
+    _, _, spans = traffic
+    (backward,) = [s for s in spans if s["name"] == "dist_autograd.backward"]
+    assert backward["kind"] == INTERNAL and backward["worker"] == "worker0"
+    assert backward["attrs"]["torch.rpc.dist_autograd.workers"] == "1,2"  # the workers the context reached
+    (step,) = [s for s in spans if s["name"] == "DistributedOptimizer.step"]
+    assert step["kind"] == INTERNAL
+    children = [s for s in spans if s.get("parentSpanId") == step["spanId"]]
+    assert len(children) == 1 and children[0]["attrs"]["rpc.method"].endswith("_local_optimizer_step")
+    assert children[0]["attrs"]["torch.rpc.internal"] is False  # the user's work, carried by torch
+    assert children[0]["traceId"] == step["traceId"]
+
+
+def test_torch_rref_and_autograd_state_are_gauges(traffic):
+    _, scraped, _ = traffic
+    assert total(scraped["worker1"], "torch_rpc_rref_owners") >= 3  # the kept tensors and the weight
+    assert total(scraped["worker0"], "torch_rpc_rref_owners") == 0
+    for worker in ("worker0", "worker1", "worker2"):
+        names = {n for n, _, _ in scraped[worker]}
+        assert {"torch_rpc_rref_pending_users", "torch_rpc_rref_forks", "torch_rpc_rref_pending_futures",
+                "torch_rpc_dist_autograd_contexts", "torch_rpc_dist_autograd_backward_passes"} <= names
+    assert total(scraped["worker0"], "torch_rpc_dist_autograd_backward_passes") == 0
