@@ -38,6 +38,9 @@ local = threading.local()  # .call: the client call being serialized on this thr
 # Every started call that has a future, by call id: those whose echoed response ends them,
 # and those a done-callback ends (so that shutdown, exit and SIGTERM can end what is left).
 in_flight: dict[int, Call] = {}
+# Its bound: past it, calls are still observed, but end by a done-callback (no echo) and are
+# not ended by shutdown or SIGTERM. A process rarely has this many calls in flight.
+MAX_IN_FLIGHT = 100_000
 next_id = itertools.count(1).__next__
 # The site and caller's call id of the UDF whose response is pickled next on a thread, by
 # thread id: torch's pool threads get a fresh Python thread state (and an empty
@@ -91,7 +94,8 @@ class Call:
 
     def on_done(self, future: Any) -> None:
         try:
-            if in_flight.pop(self.id, None) is not None:  # else a sweep or end_unfinished ended it
+            # id 0: never in the table (it was full); else a sweep or end_unfinished may have ended it
+            if not self.id or in_flight.pop(self.id, None) is not None:
                 self.fail(future_error(future))
         except Exception:
             health.internal_error("client_done")

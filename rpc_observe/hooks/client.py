@@ -18,7 +18,7 @@ from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import fold_started
 from . import trailer
-from .calls import Call, end_raised, in_flight, local, next_id
+from .calls import MAX_IN_FLIGHT, Call, end_raised, in_flight, local, next_id
 from .naming import helper_target, is_internal, is_proxy, method_name, profiling_key, proxy_method, span_attributes
 
 if TYPE_CHECKING:
@@ -107,9 +107,10 @@ def _watch(call: Call, future: Any) -> Any:
     try:
         if call.id:
             call.future = future
-        else:  # in the table too, so that shutdown can end it; the callback takes it out
-            call.id = next_id()
-            in_flight[call.id] = call
+        else:  # in the table too (room permitting), so that shutdown can end it; the callback takes it out
+            if len(in_flight) < MAX_IN_FLIGHT:
+                call.id = next_id()
+                in_flight[call.id] = call
             future.add_done_callback(call.on_done)
         if call.rf is not None:
             return call.runtime.profiler.client_end_on(call.rf, future)

@@ -30,6 +30,7 @@ _time_ns = time.time_ns
 _tuple_new = tuple.__new__
 _thread_id = threading.get_ident
 _local, _in_flight, _next_id, _pending_replies = calls.local, calls.in_flight, calls.next_id, calls.pending_replies
+_MAX_IN_FLIGHT = calls.MAX_IN_FLIGHT
 # The trailer layout, bound as module constants for the inline fast paths below.
 _MAGIC, _MAGIC_SIZE, _OVERHEAD = trailer.MAGIC, trailer.MAGIC_SIZE, trailer.OVERHEAD
 _REQUEST_PREFIX, _RESPONSE_PREFIX = trailer.REQUEST_PREFIX, trailer.RESPONSE_PREFIX
@@ -136,7 +137,7 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
             if call is not None:  # a request
                 site = call.site
                 context = runtime.tracer.context_text(call.span) if call.span is not None else ""
-                call_id = _next_id() if site.echoed else 0
+                call_id = _next_id() if site.echoed and len(_in_flight) < _MAX_IN_FLIGHT else 0
                 tail = trailer.request_trailer(site.trailer_head, call_id, context)
                 record = site.record
                 if record is not None:
