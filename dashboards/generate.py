@@ -85,9 +85,11 @@ ALL_VALUE = ".*"
 # a `method` label are filtered by method too.
 JOB_WORKER = 'job=~"$job", worker=~"$worker"'
 JOB_WORKER_METHOD = 'job=~"$job", worker=~"$worker", method=~"$method"'
-# Server-side series paired with client-side ones (latency breakdown): the
-# calls *made by* the selected workers are those whose `src` is selected.
-JOB_SRC_METHOD = 'job=~"$job", src=~"$worker", method=~"$method"'
+# Server-side series paired with client-side ones (latency breakdown): every
+# callee's run time of the selected methods.  The server histogram carries no
+# caller (`src`) by default, so that its series do not grow with the world size
+# (RPC_OBSERVE_PEER_LABELS=histograms adds it back; these queries sum it away).
+JOB_CALLEE_METHOD = 'job=~"$job", method=~"$method"'
 
 RPC_METRICS_SELECTOR = '{__name__=~"torch_rpc_.+|rpc_observe_.+"'
 
@@ -333,7 +335,7 @@ def _matrix_table(title: str, description: str, unit: str, expr: str) -> table.P
                   ("groupingToMatrix", {"rowField": "worker", "columnField": "dst", "valueField": "Value",
                                         "emptyValue": "zero"}),
                   ("organize", {"renameByName": {"worker\\dst": "worker → dst"}}),
-                  width=12, height=9, decimals=2).unit(unit)
+                  width=8, height=9, decimals=2).unit(unit)
 
 
 def _trace_links(by_method: bool,
@@ -485,15 +487,16 @@ def _overview_row() -> _Row:
 
 
 def _latency_row() -> _Row:
-    """Client vs server latency per method, per worker and per peer, and serialization time."""
+    """Client vs server latency per method, per calling and per serving worker, and serialization time."""
     client_mean = _mean(CLIENT_DURATION, "method")
-    server_mean = _mean(SERVER_DURATION, "method", JOB_SRC_METHOD)
+    server_mean = _mean(SERVER_DURATION, "method", JOB_CALLEE_METHOD)
     return "Latency breakdown", [
         _ts("Client vs server latency p95 by method",
-            "p95 of the caller's duration and of the callee's run time for the calls made by the "
-            "selected workers (server series are matched on src = worker).", "s",
+            "p95 of the caller's duration for the calls made by the selected workers, and of the "
+            "run time of the same methods on every worker that serves them (the server histogram "
+            "has no caller label, so that it does not grow with the number of peers).", "s",
             _query(_quantile(0.95, "le, method"), "client {{method}}"),
-            _query(_quantile(0.95, "le, method", SERVER_DURATION, JOB_SRC_METHOD), "server {{method}}"),
+            _query(_quantile(0.95, "le, method", SERVER_DURATION, JOB_CALLEE_METHOD), "server {{method}}"),
             links=_trace_links(by_method=True)),
         _ts("Mean duration: client, server and the difference",
             "Mean duration per call. The difference (client − server) is the time outside the "
@@ -506,10 +509,12 @@ def _latency_row() -> _Row:
             "Caller-side p95 per calling worker. Click a point for that worker's slow traces.", "s",
             _query(_quantile(0.95, "le, worker"), "{{worker}}"),
             width=8, links=_trace_links(by_method=False, service=TRACE_SERVICE_FROM_SERIES)),
-        _ts("Client latency p95 by destination",
-            "Caller-side p95 per peer: one slow peer stands out here.", "s",
-            _query(_quantile(0.95, "le, dst"), "{{dst}}"),
-            width=8, links=_trace_links(by_method=False)),
+        _ts("Server run time p95 by worker",
+            "Callee-side p95 of the remote functions each selected worker runs: one slow peer stands "
+            "out here. Latency histograms carry no peer by default (series would grow with the world "
+            "size); RPC_OBSERVE_PEER_LABELS=histograms adds dst and src to them for a per-peer view.", "s",
+            _query(_quantile(0.95, "le, worker", SERVER_DURATION), "{{worker}}"),
+            width=8, links=_trace_links(by_method=False, service=TRACE_SERVICE_FROM_SERIES)),
         _ts("Serialization time p95 by direction",
             "Time spent pickling (serialize) and unpickling (deserialize) RPC messages.", "s",
             _query(_quantile(0.95, "le, direction, message", "torch_rpc_serialization_seconds"),
@@ -564,12 +569,17 @@ def _payload_row() -> _Row:
 
 
 def _traffic_row() -> _Row:
-    """Bytes and calls from each worker to each peer."""
+    """Bytes and calls from each worker to each peer, and the responses' bytes back."""
     return "Traffic matrix", [
         _matrix_table("Bytes/s from worker to peer",
                       "Request bytes (pickled payload + tensor storages) each worker sends to "
                       "each destination. Rows: sending worker; columns: destination.", "Bps",
                       _sum_rate("torch_rpc_client_sent_bytes_total", "worker, dst", JOB_WORKER)),
+        _matrix_table("Response bytes/s from peer to worker",
+                      "Response bytes (pickled payload + tensor storages) each worker receives from each "
+                      "peer it called, for the responses matched to their call. Rows: calling worker; "
+                      "columns: the peer that answered.", "Bps",
+                      _sum_rate("torch_rpc_client_received_bytes_total", "worker, dst", JOB_WORKER)),
         _matrix_table("Calls/s from worker to peer",
                       "Calls each worker starts to each destination. Rows: calling worker; "
                       "columns: destination.", "reqps",
@@ -608,6 +618,35 @@ def _saturation_row() -> _Row:
     ]
 
 
+def _state_row() -> _Row:
+    """torch's own RPC state: RRefs and distributed autograd, where the leaks of RPC programs show."""
+
+    def gauge(metric: str, title: str, description: str) -> timeseries.Panel:
+        return _ts(title, description, "short",
+                   _query(f"sum by (worker) ({metric}{{{JOB_WORKER}}})", "{{worker}}"), width=8)
+
+    return "RPC state (torch)", [
+        gauge("torch_rpc_rref_owners", "Owner RRefs (a steady rise is a leak)",
+              "OwnerRRefs each worker holds: the values of remote() calls it ran. An owner RRef lives until "
+              "every UserRRef of it is deleted; a count that rises steadily, step after step, is the classic "
+              "leak of RPC programs (RRefs kept in a list, a cache or a reference cycle)."),
+        gauge("torch_rpc_rref_pending_users", "Pending user RRefs",
+              "UserRRefs created on the worker and not yet confirmed by their owner. High or growing: the "
+              "owner is slow to answer or unreachable."),
+        gauge("torch_rpc_rref_forks", "RRef forks",
+              "RRefs this worker owns or passed on that it still tracks until the receiving worker confirms "
+              "them. A steady rise: confirmations do not come back, and the owners' values stay alive."),
+        gauge("torch_rpc_rref_pending_futures", "Pending RRef values",
+              "OwnerRRefs whose value is not set yet: remote() calls still running on this worker."),
+        gauge("torch_rpc_dist_autograd_contexts", "Distributed autograd contexts (a steady rise is a leak)",
+              "Live distributed autograd contexts on each worker. Every `with dist_autograd.context()` frees "
+              "its context on every worker it reached when it exits; a count that rises steadily is a leak "
+              "(contexts never exited, or not released on a peer)."),
+        gauge("torch_rpc_dist_autograd_backward_passes", "Distributed backward passes in progress",
+              "dist_autograd.backward passes running on each worker."),
+    ]
+
+
 def _errors_row() -> _Row:
     """Client and server errors per second, and the client errors of the time range."""
     return "Errors", [
@@ -637,8 +676,10 @@ def _health_row() -> _Row:
             _query(_sum_rate("rpc_observe_internal_errors_total", "worker, where", JOB_WORKER), "{{worker}} {{where}}"),
             width=8),
         _ts("Dropped spans/s",
-            "Spans rpc_observe dropped (export queue full or exporter failing).", "short",
-            _query(_sum_rate("rpc_observe_spans_dropped_total", "worker", JOB_WORKER), "{{worker}}"),
+            "Spans rpc_observe dropped, by reason (export queue full, exporter failing, span files "
+            "over their disk cap or not writable).", "short",
+            _query(_sum_rate("rpc_observe_spans_dropped_total", "worker, reason", JOB_WORKER),
+                   "{{worker}} {{reason}}"),
             width=8),
         (_stat("Workers scraped",
                "Workers whose metrics endpoint Prometheus scraped successfully / all "
@@ -660,7 +701,8 @@ def build_dashboard() -> dm.Dashboard:
         dash.Dashboard(DASHBOARD_TITLE)
         .uid(DASHBOARD_UID)
         .description("torch.distributed.rpc seen through rpc_observe: call rates, latency "
-                     "breakdown, payloads, traffic between workers, saturation, errors.")
+                     "breakdown, payloads, traffic between workers, saturation, RRef and "
+                     "autograd state, errors.")
         .tags(["rpc_observe", "pytorch", "generated"])
         .editable()
         .tooltip(dm.DashboardCursorSync.CROSSHAIR)
@@ -675,7 +717,7 @@ def build_dashboard() -> dm.Dashboard:
         .annotation(_no_idle_annotation())
     )
     for title, panels in (_overview_row(), _latency_row(), _payload_row(), _traffic_row(),
-                          _saturation_row(), _errors_row(), _health_row()):
+                          _saturation_row(), _state_row(), _errors_row(), _health_row()):
         builder = builder.with_row(dash.Row(title))
         for panel in panels:
             builder = builder.with_panel(panel)

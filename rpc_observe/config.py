@@ -22,6 +22,8 @@ RPC_OBSERVE_METRICS = "RPC_OBSERVE_METRICS"
 RPC_OBSERVE_METRICS_PORT = "RPC_OBSERVE_METRICS_PORT"
 RPC_OBSERVE_METRICS_ADDR = "RPC_OBSERVE_METRICS_ADDR"
 RPC_OBSERVE_MAX_METHODS = "RPC_OBSERVE_MAX_METHODS"
+RPC_OBSERVE_MAX_PEERS = "RPC_OBSERVE_MAX_PEERS"
+RPC_OBSERVE_PEER_LABELS = "RPC_OBSERVE_PEER_LABELS"
 RPC_OBSERVE_PROFILER_EVENTS = "RPC_OBSERVE_PROFILER_EVENTS"
 RPC_OBSERVE_PROFILE = "RPC_OBSERVE_PROFILE"
 RPC_OBSERVE_PROFILE_MAX_SECONDS = "RPC_OBSERVE_PROFILE_MAX_SECONDS"
@@ -29,6 +31,8 @@ RPC_OBSERVE_SPAN_NAMES = "RPC_OBSERVE_SPAN_NAMES"
 RPC_OBSERVE_MAX_EXCEPTION_MESSAGE = "RPC_OBSERVE_MAX_EXCEPTION_MESSAGE"
 RPC_OBSERVE_SIGNALS = "RPC_OBSERVE_SIGNALS"
 RPC_OBSERVE_GIL_PROFILING = "RPC_OBSERVE_GIL_PROFILING"
+RPC_OBSERVE_SPANS_MAX_BYTES = "RPC_OBSERVE_SPANS_MAX_BYTES"
+RPC_OBSERVE_SPANS_FILE_BYTES = "RPC_OBSERVE_SPANS_FILE_BYTES"
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
@@ -40,8 +44,11 @@ _SAMPLERS = (
     "parentbased_always_on",
     "parentbased_always_off",
     "parentbased_traceidratio",
+    "rpc_observe_ratelimit",  # ours: OTEL_TRACES_SAMPLER_ARG new traces per second per worker
+    "parentbased_rpc_observe_ratelimit",
 )
 _OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+_PEER_LABELS = ("counters", "histograms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,8 @@ class Config:
     metrics_port: int | None = None  # base port; None: the OS picks one
     metrics_addr: str = "127.0.0.1"
     max_methods: int = 100
+    max_peers: int = 256  # distinct peer (dst, src) label values; the rest are "other"
+    peer_labels: str = "counters"  # "counters": peers on the per-peer counters only; "histograms": also on latency
     profiler_events: bool = True
     profile: bool = False
     profile_max_seconds: float = 300.0
@@ -65,6 +74,9 @@ class Config:
     otlp_protocol: str = "http/protobuf"
     sampler: str = "parentbased_always_on"
     sampler_ratio: float = 1.0
+    sampler_rate: float = 10.0  # new traces per second per worker, for the rpc_observe_ratelimit samplers
+    spans_max_bytes: int = 1 << 30  # all span files of one process; 0: no cap
+    spans_file_bytes: int = 64 << 20  # a span file is rotated before it would grow past this
     propagators: tuple[str, ...] = ("tracecontext", "baggage")
     service_name: str = ""
     bsp_schedule_delay_s: float = 1.0
@@ -151,14 +163,31 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     if sampler not in _SAMPLERS:
         _warn("OTEL_TRACES_SAMPLER", sampler, f"one of {', '.join(_SAMPLERS)}; using parentbased_always_on")
         sampler = "parentbased_always_on"
-    ratio = 1.0
+    ratio, rate = 1.0, 10.0
     if sampler.endswith("traceidratio"):
         ratio = _number(env, "OTEL_TRACES_SAMPLER_ARG", 1.0, 0.0, 1.0, kind=float)
+    elif sampler.endswith("rpc_observe_ratelimit"):
+        rate = _number(env, "OTEL_TRACES_SAMPLER_ARG", 10.0, 0.001, 1e6, kind=float)
+    spans_max_bytes = _number(env, RPC_OBSERVE_SPANS_MAX_BYTES, 1 << 30, 0, 1 << 50)
+    spans_file_bytes = _number(env, RPC_OBSERVE_SPANS_FILE_BYTES, 64 << 20, 1024, 1 << 50)
+    if spans_max_bytes and spans_file_bytes > spans_max_bytes:  # a file must fit under the cap: a quarter does
+        fitted = max(1, spans_max_bytes // 4)
+        given = (env.get(RPC_OBSERVE_SPANS_FILE_BYTES) or "").strip()
+        if given.isdigit() and int(given) == spans_file_bytes:  # set, and valid alone: not the default
+            _warn(RPC_OBSERVE_SPANS_FILE_BYTES, given,
+                  f"at most {RPC_OBSERVE_SPANS_MAX_BYTES} ({spans_max_bytes}) when a cap is set; using {fitted}")
+        spans_file_bytes = fitted
     span_names = (env.get(RPC_OBSERVE_SPAN_NAMES) or "key").strip().lower()
     if span_names not in ("key", "method"):
         _warn(RPC_OBSERVE_SPAN_NAMES, span_names, "key (torch's profiling key) or method ({rpc.method}); using key")
         span_names = "key"
     addr = (env.get(RPC_OBSERVE_METRICS_ADDR) or "127.0.0.1").strip()
+    peer_labels = (env.get(RPC_OBSERVE_PEER_LABELS) or "counters").strip().lower()
+    if peer_labels not in _PEER_LABELS:
+        _warn(RPC_OBSERVE_PEER_LABELS, peer_labels,
+              "counters (peers on the per-peer counters only) or histograms (also on the latency histograms); "
+              "using counters")
+        peer_labels = "counters"
     return Config(
         out_dir=env.get(RPC_OBSERVE_DIR) or "rpc_observe_out",
         run_id=env.get(RPC_OBSERVE_RUN_ID) or env.get("TORCHELASTIC_RUN_ID") or "",
@@ -166,6 +195,8 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         metrics_port=_number(env, RPC_OBSERVE_METRICS_PORT, None, 1, 65535),
         metrics_addr=addr,
         max_methods=_number(env, RPC_OBSERVE_MAX_METHODS, 100, 1, 100_000),
+        max_peers=_number(env, RPC_OBSERVE_MAX_PEERS, 256, 1, 100_000),
+        peer_labels=peer_labels,
         profiler_events=_flag(env, RPC_OBSERVE_PROFILER_EVENTS, True),
         profile=_flag(env, RPC_OBSERVE_PROFILE, False),
         profile_max_seconds=_number(env, RPC_OBSERVE_PROFILE_MAX_SECONDS, 300.0, 1.0, 86400.0, kind=float),
@@ -177,6 +208,9 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         otlp_protocol=protocol,
         sampler=sampler,
         sampler_ratio=ratio,
+        sampler_rate=rate,
+        spans_max_bytes=spans_max_bytes,
+        spans_file_bytes=spans_file_bytes,
         propagators=_choices(
             env,
             "OTEL_PROPAGATORS",

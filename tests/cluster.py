@@ -148,10 +148,23 @@ class Cluster:
         return read_spans(self.out_dir)
 
 
+def span_files(out_dir: Path) -> list[str]:
+    """The span files: per process, its rotated `<name>.jsonl.N` (larger N older) oldest first, then `<name>.jsonl`."""
+    paths = glob.glob(str(Path(out_dir) / "spans" / "*.jsonl")) + glob.glob(
+        str(Path(out_dir) / "spans" / "*.jsonl.[0-9]*")
+    )
+
+    def oldest_first(path: str) -> tuple[str, int]:
+        base, _, n = path.rpartition(".jsonl")
+        return base, -int(n[1:] or 0)
+
+    return sorted(paths, key=oldest_first)
+
+
 def read_spans(out_dir: Path) -> list[dict]:
-    """Every span in the OTLP JSON span files, with its worker added as `worker`."""
+    """Every span in the OTLP JSON span files (rotated ones too), with its worker added as `worker`."""
     spans = []
-    for path in sorted(glob.glob(str(Path(out_dir) / "spans" / "*.jsonl"))):
+    for path in span_files(out_dir):
         for line in Path(path).read_text().splitlines():
             for resource_spans in json.loads(line)["resourceSpans"]:
                 resource = attributes(resource_spans["resource"])

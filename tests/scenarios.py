@@ -313,6 +313,22 @@ def traffic(world):
 _kept = []
 
 
+def failing_exit(world):
+    """Traffic, then every rank leaves through an exception, without rpc.shutdown(), while scraped."""
+    t = torch.ones(4)
+    for i in range(50):
+        rpc.rpc_sync(f"worker{1 + i % (world - 1)}", add, args=(t, 1))
+    _touch(os.environ["SCENARIO_READY"] + "0")
+    time.sleep(float(os.environ.get("SCENARIO_LINGER", "1.0")))
+    raise RuntimeError("the job failed")
+
+
+def failing_exit_peer():
+    _touch(os.environ["SCENARIO_READY"] + str(int(os.environ.get("RANK_FOR_READY", "1"))))
+    time.sleep(float(os.environ.get("SCENARIO_LINGER", "1.0")) + 0.5)
+    raise RuntimeError("the job failed here too")
+
+
 def sigterm(world):
     """rank 0: calls in flight, main thread blocked in C++, when the test SIGTERMs this process."""
     t = torch.ones(4)
@@ -421,6 +437,50 @@ def soak(world):
     return {"counts": counts, "rss_kb": rss}
 
 
+def small(i):
+    return i + 1
+
+
+def last_call(i):
+    return -i
+
+
+def span_flood(world):
+    """4 threads of small rpc_sync calls to worker1 for SCENARIO_SECONDS (many spans, fast), then 5 `last_call`s,
+    whose spans are the newest. With SCENARIO_FILL, a file of that path fills its disk for the middle third."""
+    seconds = float(os.environ.get("SCENARIO_SECONDS", "3"))
+    fill = os.environ.get("SCENARIO_FILL")
+    start = time.monotonic()
+    counts, wrong = [0] * 4, [0] * 4
+
+    def _run(index):
+        i = 0
+        while time.monotonic() - start < seconds:
+            wrong[index] += rpc.rpc_sync("worker1", small, args=(i,)) != i + 1
+            counts[index] += 1
+            i += 1
+
+    threads = [threading.Thread(target=_run, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    filled = 0
+    if fill:
+        time.sleep(seconds / 3)
+        with open(fill, "wb", buffering=0) as f:
+            try:
+                while True:
+                    filled += f.write(b"\0" * 65536)
+            except OSError:  # ENOSPC: the disk is full
+                pass
+        time.sleep(seconds / 3)
+        os.remove(fill)
+    for th in threads:
+        th.join()
+    time.sleep(0.3)  # the flood's last batch is written before the last calls: they are a batch of their own
+    last = [rpc.rpc_sync("worker1", last_call, args=(i,)) for i in range(5)]
+    return {"calls": sum(counts), "wrong": sum(wrong), "last": last, "filled": filled}
+
+
 def _rss_kb():
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
@@ -435,9 +495,11 @@ SCENARIOS = {
     "death": death,
     "sigterm": sigterm,
     "traffic": traffic,
+    "failing_exit": failing_exit,
     "custom_pickler": custom_pickler,
     "rref_in_args": rref_in_args,
     "soak": soak,
+    "span_flood": span_flood,
 }
 
 
@@ -477,6 +539,9 @@ def main() -> None:
         _break_telemetry()
     if name == "sigterm" and rank == 1:
         sigterm_peer()
+    if name == "failing_exit" and rank != 0:
+        os.environ["RANK_FOR_READY"] = str(rank)
+        failing_exit_peer()
     result = SCENARIOS[name](world) if rank == 0 else {}
     hold = os.environ.get("SCENARIO_HOLD")
     if hold and rank == 0:

@@ -53,9 +53,9 @@ def self_rpc(tmp):
 """
 
 
-def _python(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+def _python(code: str, tmp_path: Path, argv: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *argv],
         env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out"), **env),
         capture_output=True,
         text=True,
@@ -131,14 +131,7 @@ changed = sorted(k for k in before if before[k] != during[k])
 print(json.dumps({"changed": changed, "restored": before == after, "value": value}))
 """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out")),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    proc = _python(code, tmp_path, argv=(str(tmp_path),))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["restored"] is True and result["value"] == [2.0, 2.0]
@@ -174,14 +167,7 @@ def test_instrument_after_init_rpc_warns_and_observes_the_client(tmp_path):
 print(json.dumps(self_rpc(sys.argv[1])))
 """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        env=clean_env(RPC_OBSERVE_DIR=str(tmp_path / "out")),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    proc = _python(code, tmp_path, argv=(str(tmp_path),))
     assert proc.returncode == 0, proc.stderr
     assert "instrument() was called after init_rpc" in proc.stderr
     text = next((tmp_path / "out" / "spans").glob("*.jsonl")).read_text()

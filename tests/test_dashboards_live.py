@@ -69,6 +69,16 @@ def test_every_panel_query_parses_and_returns_data(live):
     assert not unexpected, f"panels with no data: {unexpected}"
 
 
+def test_series_carry_no_peer_except_the_callers_counters(live):
+    """With the defaults the latency histograms and the callee's series carry no peer (series bounded)."""
+    peered = live.query('count by (__name__) ({job="rpc_observe", __name__=~"torch_rpc_.+", dst!=""})')
+    assert {r["metric"]["__name__"] for r in peered} <= {
+        "torch_rpc_client_requests_total", "torch_rpc_client_errors_total", "torch_rpc_client_in_flight",
+        "torch_rpc_client_sent_bytes_total", "torch_rpc_client_received_bytes_total"}
+    assert live.query('{job="rpc_observe", __name__=~"torch_rpc_.+", src!=""}') == []
+    assert (live.value('sum(torch_rpc_client_received_bytes_total{job="rpc_observe"})') or 0) > 0
+
+
 def test_no_panel_references_a_metric_the_exporter_does_not_produce(live):
     produced = {r["metric"]["__name__"] for r in live.query('count by (__name__) ({job="rpc_observe"})')}
     produced |= {"rpc_observe_internal_errors_total"}  # only has samples once an error happened

@@ -10,6 +10,7 @@ from cluster import Cluster, samples, scrape, total
 from prom import Prometheus, free_port
 
 HIST = "torch_rpc_client_duration_seconds_count"
+REQUESTS = "torch_rpc_client_requests_total"
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,10 @@ def prometheus(run, tmp_path_factory):
 def test_client_counts_equal_the_calls_made(run):
     _, expected, scraped = run
     w0, calls = scraped["worker0"], expected["calls"]
-    assert total(w0, HIST, method="add", mode="sync", dst="worker1") == calls["add_sync"]
-    assert total(w0, HIST, method="add", mode="async", dst="worker2") == calls["add_async"]
-    assert total(w0, HIST, method="add", mode="remote", dst="worker2") == calls["add_remote"]
+    for mode, dst in (("sync", "worker1"), ("async", "worker2"), ("remote", "worker2")):
+        assert total(w0, HIST, method="add", mode=mode) == calls[f"add_{mode}"]  # no peer on a histogram
+        assert total(w0, REQUESTS, method="add", mode=mode, dst=dst) == calls[f"add_{mode}"]  # on the counters
+    assert not [lab for n, lab, _ in w0 if n.startswith("torch_rpc_client_duration") and "dst" in lab]
     assert total(w0, HIST, method="echo") == calls["threads"] * calls["per_thread"]  # 16 concurrent threads
     assert total(w0, "torch_rpc_client_requests_total", method="echo") == calls["threads"] * calls["per_thread"]
     assert total(w0, "torch_rpc_client_errors_total", method="fail", exception="ValueError") == calls["fail"]
@@ -52,15 +54,12 @@ def test_server_counts_equal_the_calls_served(run):
     _, expected, scraped = run
     calls = expected["calls"]
     w1, w2 = scraped["worker1"], scraped["worker2"]
-    assert total(w1, "torch_rpc_server_duration_seconds_count", method="add", src="worker0") == calls["add_sync"]
-    assert (
-        total(w2, "torch_rpc_server_duration_seconds_count", method="add", src="worker0")
-        == calls["add_async"] + calls["add_remote"]
-    )
-    assert (
-        total(w1, "torch_rpc_server_errors_total", method="fail", src="worker0", exception="ValueError")
-        == calls["fail"]
-    )
+    assert total(w1, "torch_rpc_server_duration_seconds_count", method="add") == calls["add_sync"]
+    served_by_w2 = total(w2, "torch_rpc_server_duration_seconds_count", method="add")
+    assert served_by_w2 == calls["add_async"] + calls["add_remote"]
+    assert total(w1, "torch_rpc_server_errors_total", method="fail", exception="ValueError") == calls["fail"]
+    # The callee's series carry no caller: they do not grow with the number of peers.
+    assert not [lab for w in (w1, w2) for n, lab, _ in w if n.startswith("torch_rpc_server") and "src" in lab]
     assert total(w1, "torch_rpc_server_duration_seconds_count", method="echo") == calls["threads"] * calls["per_thread"]
 
 
@@ -95,6 +94,21 @@ def test_storage_bytes_are_what_really_travels(run):
     assert total(w0, "torch_rpc_tensor_storage_bytes_sum", **labels) == received_storage
     assert total(w0, "torch_rpc_tensor_bytes_sum", **labels) == logical
     assert received_storage > logical  # the waste the dashboard shows
+
+
+def test_received_bytes_are_the_responses_that_came_from_each_peer(run):
+    """Response pickle + trailer + storage bytes, per peer, for every response the caller matched to its call."""
+    w0 = run[2]["worker0"]
+    received = {lab["dst"]: v for n, lab, v in w0 if n == "torch_rpc_client_received_bytes_total"}
+    assert received["worker1"] > received["worker2"] > 0  # worker1 served most calls (echo, views), worker2 async adds
+    resp = {"direction": "deserialize", "message": "response"}
+    methods = {lab["method"] for n, lab, _ in w0 if n == "torch_rpc_serialized_bytes_count"}
+    matched = methods - {"unknown"}  # responses matched to their call (echoed), as the fast path counts them
+    n = sum(total(w0, "torch_rpc_serialized_bytes_count", method=m, **resp) for m in matched)
+    pickled = sum(total(w0, "torch_rpc_serialized_bytes_sum", method=m, **resp)
+                  + total(w0, "torch_rpc_tensor_storage_bytes_sum", method=m, **resp) for m in matched)
+    trailers = sum(received.values()) - pickled  # each echoed response's trailer: 12 bytes + the call id's digits
+    assert n > 400 and 13 * n <= trailers <= 17 * n, (n, trailers)
 
 
 def test_responses_are_labelled_with_their_method(run):
@@ -164,11 +178,23 @@ def test_a_real_prometheus_discovers_and_scrapes_every_worker(run, prometheus):
     assert sorted(r["metric"]["worker"] for r in idle) == ["worker0", "worker1", "worker2"]
 
 
-def test_method_names_are_capped(tmp_path):
-    cluster = Cluster(tmp_path, "metrics", env={"RPC_OBSERVE": "1", "RPC_OBSERVE_MAX_METHODS": "3"}, hold=True)
-    parsed = cluster.scrape_held()[1]["worker0"]
+def test_names_and_peers_are_capped_and_peers_can_go_on_histograms(tmp_path):
+    env = {"RPC_OBSERVE": "1", "RPC_OBSERVE_MAX_METHODS": "3", "RPC_OBSERVE_MAX_PEERS": "1",
+           "RPC_OBSERVE_PEER_LABELS": "histograms"}
+    cluster = Cluster(tmp_path, "metrics", env=env, hold=True)
+    expected, scraped = cluster.scrape_held()
+    parsed = scraped["worker0"]
     methods = {lab["method"] for n, lab, _ in parsed if n == HIST}
     assert "other" in methods and len(methods - {"other"}) <= 3
+    # One peer keeps its name (whichever worker0 called first, in init_rpc), the other is `other`.
+    peers = {lab["dst"] for n, lab, _ in parsed if n == "torch_rpc_client_in_flight"}
+    assert len(peers) == 2 and "other" in peers and peers <= {"worker1", "worker2", "other"}
+    # histograms: the latency histograms carry the peer, as before series were bounded.
+    assert {lab["dst"] for n, lab, _ in parsed if n == HIST} == peers
+    served = scraped["worker1"]
+    assert total(served, "torch_rpc_server_duration_seconds_count", src="worker0") > expected["calls"]["add_sync"]
+    fails = expected["calls"]["fail"]
+    assert total(served, "torch_rpc_server_errors_total", src="worker0", exception="ValueError") == fails
 
 
 def test_metrics_port_base_plus_rank_fallback_and_bad_value(tmp_path):

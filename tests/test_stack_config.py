@@ -83,7 +83,10 @@ def _promtool() -> str:
 
 
 # ---------------------------------------------------------------------------
-# The metric contract: what the rpc_observe exporter produces.
+# The metric contract: what the rpc_observe exporter produces, with the defaults
+# (RPC_OBSERVE_PEER_LABELS=counters: no peer on a histogram nor on the callee's
+# series, so that series do not grow with the world size; `histograms` adds dst
+# to the client histogram and src to the server's, which the queries sum away).
 # Every series also gets `job` and `instance` from Prometheus.
 # ---------------------------------------------------------------------------
 
@@ -94,16 +97,17 @@ HISTOGRAMS = {
     "torch_rpc_tensor_bytes": _SERIALIZATION_LABELS,
     "torch_rpc_tensor_storage_bytes": _SERIALIZATION_LABELS,
     "torch_rpc_serialization_seconds": _SERIALIZATION_LABELS,
-    "torch_rpc_client_duration_seconds": frozenset({"worker", "method", "mode", "dst"}),
-    "torch_rpc_server_duration_seconds": frozenset({"worker", "method", "src"}),
+    "torch_rpc_client_duration_seconds": frozenset({"worker", "method", "mode"}),
+    "torch_rpc_server_duration_seconds": frozenset({"worker", "method"}),
 }
 COUNTERS = {
     "torch_rpc_client_requests_total": frozenset({"worker", "method", "mode", "dst"}),
     "torch_rpc_client_errors_total": frozenset({"worker", "method", "dst", "exception"}),
     "torch_rpc_client_sent_bytes_total": frozenset({"worker", "dst"}),
-    "torch_rpc_server_errors_total": frozenset({"worker", "method", "src", "exception"}),
+    "torch_rpc_client_received_bytes_total": frozenset({"worker", "dst"}),
+    "torch_rpc_server_errors_total": frozenset({"worker", "method", "exception"}),
     "rpc_observe_internal_errors_total": frozenset({"worker", "where"}),
-    "rpc_observe_spans_dropped_total": frozenset({"worker"}),
+    "rpc_observe_spans_dropped_total": frozenset({"worker", "reason"}),
 }
 GAUGES = {
     "torch_rpc_client_in_flight": frozenset({"worker", "dst"}),
@@ -111,6 +115,13 @@ GAUGES = {
     "torch_rpc_agent_idle_threads": frozenset({"worker"}),
     "torch_rpc_agent_active_calls": frozenset({"worker", "side"}),
     "torch_rpc_agent_gil_wait_seconds": frozenset({"worker"}),
+    # torch's RRef and distributed autograd state (telemetry/state.py)
+    "torch_rpc_rref_owners": frozenset({"worker"}),
+    "torch_rpc_rref_pending_users": frozenset({"worker"}),
+    "torch_rpc_rref_forks": frozenset({"worker"}),
+    "torch_rpc_rref_pending_futures": frozenset({"worker"}),
+    "torch_rpc_dist_autograd_contexts": frozenset({"worker"}),
+    "torch_rpc_dist_autograd_backward_passes": frozenset({"worker"}),
 }
 # Prometheus' own series per target; `worker` comes from the file_sd target labels.
 PROMETHEUS_SERIES = {"up": frozenset({"worker"})}
@@ -544,7 +555,7 @@ def _exprs(panels) -> list[str]:
 def test_dashboard_layout(dashboard):
     rows = _rows(dashboard)
     assert list(rows) == ["Overview", "Latency breakdown", "Payload", "Traffic matrix",
-                          "Saturation", "Errors", "Add-on health"]
+                          "Saturation", "RPC state (torch)", "Errors", "Add-on health"]
     assert all(rows.values())
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
@@ -598,13 +609,17 @@ def test_every_queried_metric_is_in_the_contract(dashboard):
 
 
 def test_every_query_is_filtered_by_the_variables(dashboard):
-    for title, expr in all_queries(dashboard):
+    queries = all_queries(dashboard)
+    with_client_latency = {title for title, expr in queries if "torch_rpc_client_duration_seconds" in expr}
+    for title, expr in queries:
         for name, matchers, _ in selectors(expr):
             labels = SERIES[name][1]
             assert set(matchers) <= labels, f"{title}: {name} has no label {set(matchers) - labels}"
             assert matchers.get("job") == ("=~", "$job"), f"{title}: {name} not filtered by job"
-            # Server-side series paired with client-side ones select the callers via src.
-            assert ("=~", "$worker") in (matchers.get("worker"), matchers.get("src")), \
+            # Server-side series paired with the selected workers' client latency are every callee's
+            # (they carry no caller label): only there may a selector leave out the worker.
+            callee_side = name.startswith("torch_rpc_server_duration_seconds") and title in with_client_latency
+            assert matchers.get("worker") == ("=~", "$worker") or (callee_side and "worker" not in matchers), \
                 f"{title}: {name} not filtered by worker"
             if "method" in labels:
                 assert matchers.get("method") == ("=~", "$method"), \
@@ -677,7 +692,21 @@ def test_rows_show_what_the_issue_asks_for(dashboard):
         assert matrix[0]["options"]["rowField"] == "worker"
         assert matrix[0]["options"]["columnField"] == "dst"
     assert "torch_rpc_client_sent_bytes_total" in rows["Traffic matrix"]
+    assert "torch_rpc_client_received_bytes_total" in rows["Traffic matrix"]
     assert "torch_rpc_client_requests_total" in rows["Traffic matrix"]
+    # No panel groups a histogram by a peer: the default histograms carry none (series bounded).
+    for _, expr in all_queries(dashboard):
+        if "_bucket" in expr or "_duration_seconds" in expr:
+            assert not {"dst", "src"} & grouping_labels(expr), expr
+
+    state = _rows(dashboard)["RPC state (torch)"]
+    for metric in ("torch_rpc_rref_owners", "torch_rpc_rref_pending_users", "torch_rpc_rref_forks",
+                   "torch_rpc_rref_pending_futures", "torch_rpc_dist_autograd_contexts",
+                   "torch_rpc_dist_autograd_backward_passes"):
+        assert metric in rows["RPC state (torch)"]
+    leaks = [p for p in state if "leak" in p["title"]]
+    assert {"torch_rpc_rref_owners", "torch_rpc_dist_autograd_contexts"} <= {
+        name for p in leaks for name, _, _ in selectors("".join(_exprs([p])))}
 
     for metric in ("torch_rpc_agent_threads", "torch_rpc_agent_idle_threads",
                    "torch_rpc_agent_active_calls", "torch_rpc_agent_gil_wait_seconds"):

@@ -31,7 +31,7 @@ class ClientSite:
     """What every call of one function, mode and destination shares: names, attributes, metric cells."""
 
     __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "record", "cells", "started",
-                 "request_cells", "response_cells", "trailer_head", "echoed")
+                 "request_cells", "response_cells", "received", "trailer_head", "echoed")
 
     def __init__(self, runtime: Runtime, func: Any, mode: str, dst: str, named: str | None = None,
                  target: str | None = None) -> None:
@@ -56,6 +56,7 @@ class ClientSite:
         self.started = (fold_started, self.cells) if metrics else None
         self.request_cells = metrics.message_cells("serialize", "request", self.method) if metrics else None
         self.response_cells = metrics.message_cells("deserialize", "response", self.method) if metrics else None
+        self.received = self.cells.received_bytes if self.cells is not None else None  # response bytes from dst
 
 
 def _begin(runtime: Runtime, to: Any, func: Any, mode: str, udf_args: Any = None) -> Call | None:

@@ -194,10 +194,10 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                         site = call.site
                         end_ns = _time_ns()
                         record = site.record
-                        if record is not None:
+                        if record is not None:  # what came from the peer: pickle, trailer and storages
                             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
                             record((fold_message, site.response_cells, len(data) - size - _OVERHEAD, len(tensors),
-                                    logical, traveling, seconds, None, 0))
+                                    logical, traveling, seconds, site.received, len(data) + traveling))
                         if type(obj) is RemoteException or call.rf is not None or (
                                 runtime.profiler is not None and runtime.profiler.armed):
                             call.finish(end_ns, calls.remote_error(obj))

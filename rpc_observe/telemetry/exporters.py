@@ -1,12 +1,14 @@
 """Where span records go: OTLP JSON lines in a file, or any OpenTelemetry SDK exporter.
 
 `OTEL_TRACES_EXPORTER` picks them: `file` (the default: one OTLP/HTTP JSON export
-request per line under `$RPC_OBSERVE_DIR/spans/`), `otlp` (OTLP to a collector,
+request per line under `$RPC_OBSERVE_DIR/spans/`, rotated at RPC_OBSERVE_SPANS_FILE_BYTES
+and capped at RPC_OBSERVE_SPANS_MAX_BYTES per process), `otlp` (OTLP to a collector,
 configured by the standard `OTEL_EXPORTER_OTLP_*` variables), `console`, or `none`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -15,7 +17,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import __version__
-from ..config import Config
+from ..config import RPC_OBSERVE_SPANS_MAX_BYTES, Config
+from . import health
 from .tracing import CLIENT, INTERNAL, SERVER, SpanRecord
 
 _logger = logging.getLogger("rpc_observe")
@@ -36,17 +39,71 @@ def otlp_attributes(attributes: dict) -> list[dict]:
     return [{"key": k, "value": _any_value(v)} for k, v in attributes.items()]
 
 
-class OtlpJsonFileSink:
-    """Writes each batch as one OTLP/HTTP JSON `ExportTraceServiceRequest` line."""
+_TAIL = b"]}]}]}\n"
 
-    def __init__(self, path: str, resource_attributes: dict):
+
+class OtlpJsonFileSink:
+    """Writes each batch as OTLP/HTTP JSON `ExportTraceServiceRequest` lines, in rotated and capped files.
+
+    `path` is the current file; rotated ones are `path.1` (the newest), `path.2`, ... as logrotate
+    names them. A batch is split into lines of at most `file_bytes`, and a line that would take
+    the current file past `file_bytes` goes to a new one, so no file outgrows it (but a single span
+    bigger than it). Before a line would take all files past `max_bytes` (0: no cap), the oldest
+    are deleted and their spans counted as dropped (`disk_cap`), so the total never exceeds the cap
+    and the newest spans are kept. A write that fails (ENOSPC, EROFS, EIO) drops its spans
+    (`disk_error`) with one warning; the next batch tries again. No OSError leaves this class.
+    """
+
+    def __init__(
+        self, path: str, resource_attributes: dict, file_bytes: int = 64 << 20, max_bytes: int = 0
+    ) -> None:
         self.path = path
         resource = json.dumps({"attributes": otlp_attributes(resource_attributes)}, separators=(",", ":"))
         scope = json.dumps(SCOPE, separators=(",", ":"))
-        self._head = '{"resourceSpans":[{"resource":%s,"scopeSpans":[{"scope":%s,"spans":[' % (resource, scope)
+        self._head = (
+            '{"resourceSpans":[{"resource":%s,"scopeSpans":[{"scope":%s,"spans":[' % (resource, scope)
+        ).encode()
         self._lock = threading.Lock()
         self._site_json: dict[tuple, tuple[dict, str]] = {}
-        self._file = open(path, "a", encoding="utf-8")
+        self._file_bytes = max(1, file_bytes)
+        self._max_bytes = max_bytes
+        self._size = 0  # bytes of the current file
+        self._spans = 0  # spans of this process in the current file
+        self._rotated: dict[int, list[int]] = {}  # N of path.N -> [bytes, spans]
+        self._rotated_bytes = 0
+        self._closed = False
+        self._dirty = False  # a failed write left a partial line that truncate could not remove
+        self._disk_warned = False
+        self._cap_warned = False
+        self._adopt_rotated()
+        self._file: Any = None
+        try:
+            self._open()
+        except OSError as e:  # retried with every batch
+            self._disk_error(0, e)
+
+    def _adopt_rotated(self) -> None:
+        """Counts files an earlier process of the same name left (a reused pid, as PID 1 in containers)
+        against the cap, oldest deleted first; their spans are not this process's, so not counted as dropped."""
+        directory, base = os.path.split(self.path)
+        try:
+            names = os.listdir(directory or ".")
+        except OSError:
+            return
+        for name in names:
+            suffix = name[len(base) + 1:] if name.startswith(base + ".") else ""
+            if suffix.isdigit() and suffix[0] != "0":
+                try:
+                    size = os.stat(os.path.join(directory, name)).st_size
+                except OSError:
+                    continue
+                self._rotated[int(suffix)] = [size, 0]
+                self._rotated_bytes += size
+
+    def _open(self) -> None:
+        # Unbuffered: a failed write leaves nothing in a buffer to be written again later.
+        self._file = open(self.path, "ab", buffering=0)
+        self._size = os.fstat(self._file.fileno()).st_size  # an earlier process's, or ours before an error
 
     def _site(self, record: SpanRecord) -> str:
         """The JSON of what a call site's spans share (name, kind, attributes), encoded once."""
@@ -101,19 +158,138 @@ class OtlpJsonFileSink:
             ]
         return span
 
-    def export(self, records: Iterable[SpanRecord]) -> bool:
+    def _lines(self, records: Iterable[SpanRecord]) -> list[tuple[bytes, int]]:
+        """The batch as (line, spans) pairs, each line at most file_bytes unless one span alone is bigger."""
         # Formatted by hand: json.dumps of a dict per span cost the worker's GIL ~3x more.
-        line = self._head + ",".join(self._span_json(r) for r in records) + "]}]}]}\n"
+        spans = [self._span_json(r).encode() for r in records]
+        budget = self._file_bytes - len(self._head) - len(_TAIL)
+        lines, start, size = [], 0, 0
+        for i, span in enumerate(spans):
+            if i > start and size + 1 + len(span) > budget:
+                lines.append((self._head + b",".join(spans[start:i]) + _TAIL, i - start))
+                start, size = i, 0
+            size += len(span) + (i > start)
+        if spans:
+            lines.append((self._head + b",".join(spans[start:]) + _TAIL, len(spans) - start))
+        return lines
+
+    def export(self, records: Iterable[SpanRecord]) -> bool:
+        """Writes the batch; False only after shutdown (the tracer counts those). Spans this sink
+        drops itself (the cap, a disk error) are counted here, by reason."""
+        lines = self._lines(records)
         with self._lock:
-            if self._file.closed:  # shut down under a hung export: counted as dropped
+            if self._closed:  # shut down under a hung export
                 return False
-            self._file.write(line)
-            self._file.flush()
+            for line, count in lines:
+                self._write(line, count)
         return True
+
+    def _write(self, line: bytes, count: int) -> None:
+        try:
+            if self._file is None:
+                self._open()
+            if self._size and self._size + len(line) > self._file_bytes:
+                self._rotate()
+            if self._max_bytes and not self._make_room(len(line), count):
+                return
+            if self._dirty:  # a partial line is at the end: this one starts on a line of its own
+                line = b"\n" + line
+            self._write_all(line)
+            self._dirty = False
+            self._size += len(line)
+            self._spans += count
+        except OSError as e:
+            self._disk_error(count, e)
+
+    def _write_all(self, line: bytes) -> None:
+        view = memoryview(line)
+        try:
+            while view:
+                view = view[self._file.write(view):]
+        except OSError:
+            if len(view) < len(line):  # a partial line: take it back, so that every line stays whole
+                try:
+                    self._file.truncate(self._size)
+                except OSError:
+                    self._dirty = True
+                    self._size += len(line) - len(view)
+            raise
+
+    def _rotate(self) -> None:
+        """current -> .1, .N -> .N+1 (oldest first, so nothing is overwritten), and a new current file."""
+        file, self._file = self._file, None
+        try:
+            if file is not None:
+                file.close()
+        except OSError:
+            pass
+        for n in sorted(self._rotated, reverse=True):
+            os.rename(f"{self.path}.{n}", f"{self.path}.{n + 1}")
+            self._rotated[n + 1] = self._rotated.pop(n)  # kept in step with each rename: an error leaves it true
+        os.rename(self.path, f"{self.path}.1")
+        self._rotated[1] = [self._size, self._spans]
+        self._rotated_bytes += self._size
+        self._size = self._spans = 0
+        self._dirty = False
+        self._open()
+
+    def _make_room(self, needed: int, count: int) -> bool:
+        """Deletes the oldest files until `needed` more bytes fit under the cap; False: the line alone does not."""
+        while self._size + self._rotated_bytes + needed > self._max_bytes:
+            if not self._rotated:
+                if not self._size:
+                    self._cap_dropped(count, "a line bigger than the cap, not written")
+                    return False
+                self._rotate()
+                continue
+            oldest = max(self._rotated)
+            path = f"{self.path}.{oldest}"
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass  # deleted by someone else: not ours to count
+            size, spans = self._rotated.pop(oldest)
+            self._rotated_bytes -= size
+            self._cap_dropped(spans, f"deleted {path}")
+        return True
+
+    def _cap_dropped(self, spans: int, what: str) -> None:
+        health.spans_lost(spans, "disk_cap")
+        if not self._cap_warned:
+            self._cap_warned = True
+            _logger.warning(
+                "rpc_observe: the span files of %s reached %s=%d: the oldest spans are dropped to keep the "
+                'newest (%s: %d spans); they are counted in rpc_observe_spans_dropped_total{reason="disk_cap"}, '
+                "without another warning",
+                self.path,
+                RPC_OBSERVE_SPANS_MAX_BYTES,
+                self._max_bytes,
+                what,
+                spans,
+            )
+
+    def _disk_error(self, count: int, e: OSError) -> None:
+        health.spans_lost(count, "disk_error")
+        if not self._disk_warned:
+            self._disk_warned = True
+            code = errno.errorcode.get(e.errno or 0, str(e.errno))
+            _logger.warning(
+                "rpc_observe: cannot write span file %s (%s: %s): its spans are dropped and counted in "
+                'rpc_observe_spans_dropped_total{reason="disk_error"}; every later batch tries again, '
+                "without another warning; RPCs are unaffected",
+                e.filename or self.path,
+                code,
+                e.strerror or e,
+            )
 
     def shutdown(self) -> None:
         with self._lock:
-            self._file.close()
+            self._closed = True
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
 
 
 def _sdk_kind(kind: int) -> Any:
@@ -199,7 +375,9 @@ def build_sinks(config: Config, resource_attributes: dict, spans_dir: str | None
         if name == "file":
             if spans_dir is not None:
                 path = os.path.join(spans_dir, f"{worker}-{os.getpid()}.jsonl")
-                sinks.append(OtlpJsonFileSink(path, resource_attributes))
+                sinks.append(
+                    OtlpJsonFileSink(path, resource_attributes, config.spans_file_bytes, config.spans_max_bytes)
+                )
         elif name == "otlp":
             sinks.append(SdkExporterSink(_otlp_exporter(config), resource_attributes))
         elif name == "console":

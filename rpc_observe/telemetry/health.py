@@ -2,7 +2,7 @@
 
 The wrappers catch every exception raised by rpc_observe's code and count it here,
 so that telemetry can never break a user's RPC. The first error of each kind is also
-logged, with its traceback, so that it can be reported.
+logged, with its traceback, so that it can be reported. Dropped spans are counted by reason.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import threading
 _logger = logging.getLogger("rpc_observe")
 _lock = threading.Lock()
 internal_errors: dict[str, int] = {}
-spans_dropped = [0]
+# Why spans were dropped: the export queue was full, an exporter failed, the shutdown flush timed out,
+# a span file was deleted past RPC_OBSERVE_SPANS_MAX_BYTES, or a span file could not be written.
+SPAN_DROP_REASONS = ("queue_full", "export_failed", "timeout", "disk_cap", "disk_error")
+spans_dropped: dict[str, int] = dict.fromkeys(SPAN_DROP_REASONS, 0)
 invalid_contexts = [0]
 
 
@@ -30,9 +33,10 @@ def internal_error(where: str) -> None:
         )
 
 
-def spans_lost(count: int) -> None:
+def spans_lost(count: int, reason: str) -> None:
+    """Counts `count` spans dropped for `reason`, one of SPAN_DROP_REASONS."""
     with _lock:
-        spans_dropped[0] += count
+        spans_dropped[reason] += count
 
 
 def invalid_context() -> None:

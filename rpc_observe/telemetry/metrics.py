@@ -6,7 +6,13 @@ message or call to a deque (a single C call, safe across threads), and `drain` f
 them into plain lists under one lock: the housekeeping thread does it a few times a
 second, and every scrape does it first, so a scrape is always exact. A custom
 collector turns the lists into metric families. Label sets are bound once per call
-site; function and peer names are capped (`RPC_OBSERVE_MAX_METHODS`), the rest become `other`.
+site; function names (`RPC_OBSERVE_MAX_METHODS`) and peer names (`RPC_OBSERVE_MAX_PEERS`) are
+capped, the rest become `other`.
+
+Series must not grow with the world size: by default (`RPC_OBSERVE_PEER_LABELS=counters`)
+a peer is a label only of the caller's counters and its in-flight gauge (the traffic
+matrix), never of a histogram or of the callee's series; `histograms` also puts `dst` and
+`src` on the latency histograms (and `src` on server errors), as before.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ SIZE_BUCKETS = tuple(float(64 * 4**i) for i in range(14))
 COUNT_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)
 SERIALIZATION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0, 10.0)
 OTHER = "other"
+DEFAULT_MAX_PEERS = 256  # config.Config.max_peers
 Cell = list  # [value] for counters and gauges; [bucket counts..., sum] for histograms
 
 
@@ -69,13 +76,15 @@ class ClientCells(NamedTuple):
     requests: Cell
     in_flight: Cell
     sent_bytes: Cell
+    received_bytes: Cell
 
 
 # The records the hot paths queue, built there as plain tuple displays: a NamedTuple
 # instance costs 2-4x more to build (+85 ns warm per record, 4 records per RPC).
 # Layouts, as the fold functions below unpack them:
 #   (fold_message, MessageCells, payload bytes, tensors, tensor bytes, storage bytes, seconds,
-#    sent_bytes cell or None, bytes sent)
+#    peer bytes cell or None, bytes on the wire): the cell is the destination's sent_bytes for
+#    a request the caller pickles, its received_bytes for a response it unpickles
 #   (fold_started, ClientCells)
 #   (fold_finished, ClientCells, seconds)
 #   (fold_served, duration cell, seconds)
@@ -105,9 +114,9 @@ def _observe(cell: Cell, buckets: tuple[float, ...], value: float) -> None:
 # Record handlers, applied by `Metrics.drain` under its lock; each record is (handler, ...).
 # The hot paths build the records themselves and pass them to `Metrics.record`.
 def fold_message(r: tuple) -> None:
-    _, cells, nbytes, ntensors, tensor_bytes, storage_bytes, seconds, sent_cell, sent = r
-    if sent_cell is not None:
-        sent_cell[0] += sent
+    _, cells, nbytes, ntensors, tensor_bytes, storage_bytes, seconds, peer_cell, wire_bytes = r
+    if peer_cell is not None:
+        peer_cell[0] += wire_bytes
     _observe(cells.payload_bytes, SIZE_BUCKETS, nbytes)
     _observe(cells.tensors, COUNT_BUCKETS, ntensors)
     _observe(cells.tensor_bytes, SIZE_BUCKETS, tensor_bytes)
@@ -141,13 +150,19 @@ class Metrics(Collector):
         max_names: int,
         agent_info: Callable[[], dict[str, Any]] | None = None,
         before_collect: Callable[[], None] | None = None,
+        *,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        peer_histograms: bool = False,
     ) -> None:
         self.worker = worker
         self._records: collections.deque = collections.deque()
         self.record = self._records.append  # record((fold_..., ...)): one C call, safe across threads
         self._before_collect = before_collect
-        self._max_names = max_names
+        self._limits = {"method": max_names, "peer": max_peers, "exception": max_names}
         self._names: dict[str, set] = {"method": set(), "peer": set(), "exception": set()}
+        self.peer_histograms = peer_histograms  # RPC_OBSERVE_PEER_LABELS=histograms
+        dst: tuple[str, ...] = ("dst",) if peer_histograms else ()
+        src: tuple[str, ...] = ("src",) if peer_histograms else ()
         self.agent_info = agent_info
         self.lock = threading.Lock()
         w = ("worker",)
@@ -173,7 +188,7 @@ class Metrics(Collector):
         self.client_duration = _Family(
             "torch_rpc_client_duration_seconds",
             "Client RPC duration until its future completes.",
-            w + ("method", "mode", "dst"),
+            w + ("method", "mode") + dst,
             LATENCY_BUCKETS,
         )
         self.client_requests = _Family(
@@ -192,16 +207,21 @@ class Metrics(Collector):
             "Request bytes (pickle and tensor storage) sent to each peer.",
             w + ("dst",),
         )
+        self.client_received_bytes = _Family(
+            "torch_rpc_client_received_bytes_total",
+            "Response bytes (pickle and tensor storage) received from each peer.",
+            w + ("dst",),
+        )
         self.server_duration = _Family(
             "torch_rpc_server_duration_seconds",
             "Server-side run time of Python UDFs.",
-            w + ("method", "src"),
+            w + ("method",) + src,
             LATENCY_BUCKETS,
         )
         self.server_errors = _Family(
             "torch_rpc_server_errors_total",
             "Python UDFs that raised, by exception.",
-            w + ("method", "src", "exception"),
+            w + ("method",) + src + ("exception",),
         )
         self._histograms = (
             self.serialized_bytes,
@@ -212,16 +232,18 @@ class Metrics(Collector):
             self.client_duration,
             self.server_duration,
         )
-        self._counters = (self.client_requests, self.client_errors, self.client_sent_bytes, self.server_errors)
+        self._counters = (self.client_requests, self.client_errors, self.client_sent_bytes, self.client_received_bytes,
+                          self.server_errors)
 
     # -- binding label sets (once per call site) --------------------------------
     def cap(self, kind: str, name: str) -> str:
-        """`name` if fewer than RPC_OBSERVE_MAX_METHODS distinct names were seen, else `other`."""
+        """`name` if fewer distinct names of its kind were seen than its cap (RPC_OBSERVE_MAX_METHODS for
+        methods and exceptions, RPC_OBSERVE_MAX_PEERS for peers), else `other`."""
         seen = self._names[kind]
         if name in seen:
             return name
         with self.lock:
-            if len(seen) < self._max_names:
+            if len(seen) < self._limits[kind]:
                 seen.add(name)
                 return name
         return OTHER
@@ -250,22 +272,31 @@ class Metrics(Collector):
 
     def client_cells(self, method: str, mode: str, dst: str) -> ClientCells:
         method, dst = self.cap("method", method), self.cap("peer", dst)
+        latency = (self.worker, method, mode, dst) if self.peer_histograms else (self.worker, method, mode)
         with self.lock:
             return ClientCells(
-                self.client_duration.child((self.worker, method, mode, dst)),
+                self.client_duration.child(latency),
                 self.client_requests.child((self.worker, method, mode, dst)),
                 self.client_in_flight.child((self.worker, dst)),
                 self.client_sent_bytes.child((self.worker, dst)),
+                self.client_received_bytes.child((self.worker, dst)),
             )
 
     def server_cell(self, method: str, src: str) -> Cell:
-        values = (self.worker, self.cap("method", method), self.cap("peer", src))
+        method = self.cap("method", method)
+        values = (self.worker, method, self.cap("peer", src)) if self.peer_histograms else (self.worker, method)
         with self.lock:
             return self.server_duration.child(values)
 
     def count_error(self, side: str, method: str, peer: str, exception: str) -> None:
-        family = self.client_errors if side == "client" else self.server_errors
-        values = (self.worker, self.cap("method", method), self.cap("peer", peer), self.cap("exception", exception))
+        method, exception = self.cap("method", method), self.cap("exception", exception)
+        values: tuple[str, ...]
+        if side == "client":  # the caller keeps the peer: its errors are part of the traffic matrix
+            family, values = self.client_errors, (self.worker, method, self.cap("peer", peer), exception)
+        elif self.peer_histograms:
+            family, values = self.server_errors, (self.worker, method, self.cap("peer", peer), exception)
+        else:  # the callee's series never grow with its callers (who count the same failures by dst)
+            family, values = self.server_errors, (self.worker, method, exception)
         with self.lock:
             family.child(values)[0] += 1
 
@@ -312,9 +343,13 @@ class Metrics(Collector):
             errors.add_metric((self.worker, where), count)
         yield errors
         dropped = CounterMetricFamily(
-            "rpc_observe_spans_dropped", "Spans dropped: queue full, exporter failed or timed out.", labels=("worker",)
+            "rpc_observe_spans_dropped",
+            "Spans dropped, by reason: queue_full, export_failed, timeout (shutdown flush), "
+            "disk_cap (deleted past RPC_OBSERVE_SPANS_MAX_BYTES), disk_error (span file not writable).",
+            labels=("worker", "reason"),
         )
-        dropped.add_metric((self.worker,), health.spans_dropped[0])
+        for reason, count in health.spans_dropped.items():  # every reason, 0 too: rate() sees the first drop
+            dropped.add_metric((self.worker, reason), count)
         yield dropped
         invalid = CounterMetricFamily(
             "rpc_observe_invalid_context", "Malformed trace contexts received from peers (ignored).", labels=("worker",)

@@ -131,7 +131,9 @@ class Runtime:
         from .metrics import Metrics
         from .state import StateGauges
 
-        self.metrics = Metrics(self.worker, self.config.max_methods, None, self.run_hooks)
+        self.metrics = Metrics(self.worker, self.config.max_methods, None, self.run_hooks,
+                               max_peers=self.config.max_peers,
+                               peer_histograms=self.config.peer_labels == "histograms")
         self.state = StateGauges(self.worker)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)

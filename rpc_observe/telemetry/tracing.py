@@ -5,6 +5,9 @@ So the wrappers create plain `SpanRecord`s (ids, times, a shared attribute dict)
 queue them; the exporter thread turns them into OTLP JSON lines or SDK `ReadableSpan`s
 for the configured exporters. The queue is bounded: when it is full, spans are dropped
 and counted in rpc_observe_spans_dropped_total, so an RPC never waits on an exporter.
+
+Sampling follows OTEL_TRACES_SAMPLER, plus `(parentbased_)rpc_observe_ratelimit`: at most
+OTEL_TRACES_SAMPLER_ARG new traces per second per worker, for long high-rate jobs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import contextvars
 import logging
 import random
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import context, propagate, trace
@@ -78,10 +83,32 @@ class SpanRecord:
         self.error_message = None
 
 
+class RateLimiter:
+    """A token bucket: `rate` new traces per second, bursts of up to max(rate, 1), then none until it refills."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate
+        self._capacity = max(rate, 1.0)
+        self._tokens = self._capacity
+        self._clock = clock
+        self._last = clock()
+        self._lock = threading.Lock()  # RPC threads decide at once: the limit holds exactly
+
+    def take(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self._capacity, self._tokens + (now - self._last) * self._rate)
+            self._last = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return True
+            return False
+
+
 class Tracer:
     """Starts span records, samples them, carries their context, and queues them."""
 
-    def __init__(self, config: Config, sinks: list[Any]):
+    def __init__(self, config: Config, sinks: list[Any], clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._sinks = sinks
         self._queue: collections.deque = collections.deque()
@@ -97,6 +124,8 @@ class Tracer:
         self._parent_based = sampler.startswith("parentbased_")
         root = sampler.removeprefix("parentbased_")
         self._root_bound = {"always_on": 1 << 64, "always_off": 0}.get(root, int(config.sampler_ratio * (1 << 64)))
+        # Decides roots only; with parentbased_, callees follow the caller's flag, so traces stay whole.
+        self._limiter = RateLimiter(config.sampler_rate, clock) if root == "rpc_observe_ratelimit" else None
         self._thread = threading.Thread(target=self._run, name="rpc_observe-span-export", daemon=True)
         self._thread.start()
 
@@ -104,6 +133,8 @@ class Tracer:
     def _should_sample(self, trace_id: int, parent_sampled: bool | None) -> bool:
         if parent_sampled is not None and self._parent_based:
             return parent_sampled
+        if self._limiter is not None:
+            return self._limiter.take()
         return (trace_id & 0xFFFFFFFFFFFFFFFF) < self._root_bound
 
     def start_client(self, name: str, attributes: dict, start_ns: int, kind: int = CLIENT) -> SpanRecord:
@@ -189,7 +220,7 @@ class Tracer:
         if not span.sampled:
             return
         if len(self._queue) >= self._max_queue:
-            health.spans_lost(1)
+            health.spans_lost(1, "queue_full")
             return
         self._queue.append(span)
 
@@ -212,10 +243,10 @@ class Tracer:
             for sink in self._sinks:
                 try:
                     if not sink.export(batch):
-                        health.spans_lost(len(batch))
+                        health.spans_lost(len(batch), "export_failed")
                 except Exception:
                     health.internal_error("span_export")
-                    health.spans_lost(len(batch))
+                    health.spans_lost(len(batch), "export_failed")
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Exports what is queued; returns False if that took longer than the timeout.
@@ -250,7 +281,7 @@ class Tracer:
                 self._config.bsp_export_timeout_s,
                 len(self._queue),
             )
-            health.spans_lost(len(self._queue))
+            health.spans_lost(len(self._queue), "timeout")
             self._queue.clear()
         self._thread.join(0.1 if self._stuck else self._config.bsp_export_timeout_s)
         for sink in self._sinks:

@@ -20,7 +20,7 @@ if TESTS not in sys.path:  # `from cluster import ...` as in tests/conftest.py
 def reset_health() -> None:
     with health._lock:
         health.internal_errors.clear()
-        health.spans_dropped[0] = 0
+        health.spans_dropped.update(dict.fromkeys(health.spans_dropped, 0))
         health.invalid_contexts[0] = 0
 
 
@@ -38,3 +38,20 @@ def fresh_globals() -> Iterator[None]:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _bootstrap._PostImportFinder)
                         or f in meta_path]
     reset_health()
+
+
+@pytest.fixture
+def metrics_runtime(tmp_path: Path) -> Iterator[runtime.Runtime]:
+    """A real Runtime (metrics, no spans, no profiler events), current for the hooks, gone after the test."""
+    from rpc_observe import config
+
+    cfg = config.load({"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none",
+                       "RPC_OBSERVE_PROFILER_EVENTS": "0"})
+    rt = runtime.Runtime(cfg, "worker0", 0)
+    runtime.current = rt
+    yield rt
+    runtime.current = None
+    from rpc_observe.hooks import calls
+
+    calls.in_flight.clear()
+    rt.close()

@@ -3,51 +3,36 @@
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 from torch.distributed.rpc.internal import PythonUDF
 
-from rpc_observe import config
 from rpc_observe.hooks import calls, client, naming, pickler, server
 from rpc_observe.hooks.profiler_events import ProfilerEvents
 from rpc_observe.telemetry import runtime
-
-
-@pytest.fixture
-def rt(tmp_path: Any) -> Iterator[runtime.Runtime]:
-    cfg = config.load({"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none",
-                       "RPC_OBSERVE_PROFILER_EVENTS": "0"})
-    r = runtime.Runtime(cfg, "worker0", 0)
-    runtime.current = r
-    yield r
-    runtime.current = None
-    calls.in_flight.clear()
-    r.close()
 
 
 def _functions(n: int) -> list[Any]:
     return [types.FunctionType((lambda: None).__code__, {}, f"f{i}") for i in range(n)]
 
 
-def test_client_sites_are_bounded(rt: runtime.Runtime) -> None:
+def test_client_sites_are_bounded(metrics_runtime: runtime.Runtime) -> None:
     for func in _functions(client._MAX_SITES + 50):
-        assert client._begin(rt, "worker1", func, "sync") is not None
-    assert len(rt.client_sites) <= client._MAX_SITES + 1
+        assert client._begin(metrics_runtime, "worker1", func, "sync") is not None
+    assert len(metrics_runtime.client_sites) <= client._MAX_SITES + 1
 
 
-def test_server_sites_are_bounded(rt: runtime.Runtime) -> None:
+def test_server_sites_are_bounded(metrics_runtime: runtime.Runtime) -> None:
     for func in _functions(server._MAX_SITES + 50):
-        server._site(rt, (func, "worker1", "sync"))
-    assert len(rt.server_sites) <= server._MAX_SITES + 1
+        server._site(metrics_runtime, (func, "worker1", "sync"))
+    assert len(metrics_runtime.server_sites) <= server._MAX_SITES + 1
 
 
-def test_request_cells_and_method_names_are_bounded(rt: runtime.Runtime) -> None:
+def test_request_cells_and_method_names_are_bounded(metrics_runtime: runtime.Runtime) -> None:
     for func in _functions(pickler._MAX_CACHED + 50):
-        pickler._request_cells(rt, func)
-    assert len(rt.request_cells) <= pickler._MAX_CACHED + 1
+        pickler._request_cells(metrics_runtime, func)
+    assert len(metrics_runtime.request_cells) <= pickler._MAX_CACHED + 1
     assert len(naming._method_names) <= naming._MAX_CACHED + 1
 
 
@@ -58,10 +43,10 @@ def test_the_profiler_ring_keeps_only_its_capacity() -> None:
     assert len(events._ring) == 100 and events._ring[-1][0] == "k999"  # the newest are kept
 
 
-def test_the_call_table_is_bounded_and_calls_past_it_still_end(rt: runtime.Runtime) -> None:
+def test_the_call_table_is_bounded_and_calls_past_it_still_end(metrics_runtime: runtime.Runtime) -> None:
     filler = object()
     calls.in_flight.update((-i, filler) for i in range(1, calls.MAX_IN_FLIGHT + 1))  # type: ignore[misc]
-    call = client._begin(rt, "worker1", _functions(1)[0], "sync")
+    call = client._begin(metrics_runtime, "worker1", _functions(1)[0], "sync")
     assert call is not None and call.site.echoed
     runtime_current = runtime.current
     calls.local.call = call
@@ -69,10 +54,10 @@ def test_the_call_table_is_bounded_and_calls_past_it_still_end(rt: runtime.Runti
         data, _ = pickler.wrap_serialize(lambda self, obj: (b"P", []))(None, PythonUDF(print, (), {}))
     finally:
         calls.local.call = None
-    assert call.id == 0 and runtime_current is rt and b"\x00rpcobs1" in data
+    assert call.id == 0 and runtime_current is metrics_runtime and b"\x00rpcobs1" in data
     future: torch.futures.Future = torch.futures.Future()
     assert client._watch(call, future) is future
     assert len(calls.in_flight) == calls.MAX_IN_FLIGHT  # not added
     future.set_result(None)  # the done-callback ends it
-    folds = [r[0].__name__ for r in rt.metrics._records]
+    folds = [r[0].__name__ for r in metrics_runtime.metrics._records]
     assert folds.count("fold_finished") == 1

@@ -45,11 +45,13 @@ def test_empty_environ_is_the_documented_defaults(caplog: pytest.LogCaptureFixtu
     assert config.load({}) == DEFAULT
     assert dataclasses.asdict(DEFAULT) == {
         "out_dir": "rpc_observe_out", "run_id": "", "metrics": True, "metrics_port": None,
-        "metrics_addr": "127.0.0.1", "max_methods": 100, "profiler_events": True, "profile": False,
+        "metrics_addr": "127.0.0.1", "max_methods": 100, "max_peers": 256, "peer_labels": "counters",
+        "profiler_events": True, "profile": False,
         "profile_max_seconds": 300.0, "span_names": "key", "max_exception_message": 256, "signals": True,
         "gil_profiling": False,
         "traces_exporters": ("file",), "otlp_protocol": "http/protobuf", "sampler": "parentbased_always_on",
-        "sampler_ratio": 1.0, "propagators": ("tracecontext", "baggage"), "service_name": "",
+        "sampler_ratio": 1.0, "sampler_rate": 10.0, "spans_max_bytes": 1073741824, "spans_file_bytes": 67108864,
+        "propagators": ("tracecontext", "baggage"), "service_name": "",
         "bsp_schedule_delay_s": 1.0, "bsp_max_queue_size": 16384, "bsp_max_export_batch_size": 2048,
         "bsp_export_timeout_s": 5.0}
     assert warnings_of(caplog) == []
@@ -71,6 +73,10 @@ BAD = [
     ("RPC_OBSERVE_METRICS_PORT", "9090.5", "a int from 1 to 65535; using the OS's choice", {}),
     ("RPC_OBSERVE_MAX_METHODS", "0", "a int from 1 to 100000; using 100", {}),
     ("RPC_OBSERVE_MAX_METHODS", "many", "a int from 1 to 100000; using 100", {}),
+    ("RPC_OBSERVE_MAX_PEERS", "0", "a int from 1 to 100000; using 256", {}),
+    ("RPC_OBSERVE_MAX_PEERS", "all", "a int from 1 to 100000; using 256", {}),
+    ("RPC_OBSERVE_PEER_LABELS", "everywhere", "counters (peers on the per-peer counters only) or histograms "
+     "(also on the latency histograms); using counters", {}),
     ("RPC_OBSERVE_PROFILE_MAX_SECONDS", "0.5", "a float from 1.0 to 86400.0; using 300.0", {}),
     ("RPC_OBSERVE_PROFILE_MAX_SECONDS", "nan", "a float from 1.0 to 86400.0; using 300.0", {}),
     ("RPC_OBSERVE_PROFILE_MAX_SECONDS", "inf", "a float from 1.0 to 86400.0; using 300.0", {}),
@@ -79,10 +85,22 @@ BAD = [
     ("OTEL_TRACES_EXPORTER", "zipkin", "a comma-separated list of file, otlp, console, none; ignoring zipkin", {}),
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "http/protobuf or grpc; using http/protobuf", {}),
     ("OTEL_TRACES_SAMPLER", "sometimes", "one of always_on, always_off, traceidratio, parentbased_always_on, "
-     "parentbased_always_off, parentbased_traceidratio; using parentbased_always_on", {}),
+     "parentbased_always_off, parentbased_traceidratio, rpc_observe_ratelimit, parentbased_rpc_observe_ratelimit; "
+     "using parentbased_always_on", {}),
     ("OTEL_TRACES_SAMPLER_ARG", "1.5", "a float from 0.0 to 1.0; using 1.0", {"OTEL_TRACES_SAMPLER": "traceidratio"}),
     ("OTEL_TRACES_SAMPLER_ARG", "half", "a float from 0.0 to 1.0; using 1.0",
      {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio"}),
+    ("OTEL_TRACES_SAMPLER_ARG", "0", "a float from 0.001 to 1000000.0; using 10.0",
+     {"OTEL_TRACES_SAMPLER": "parentbased_rpc_observe_ratelimit"}),
+    ("OTEL_TRACES_SAMPLER_ARG", "-3", "a float from 0.001 to 1000000.0; using 10.0",
+     {"OTEL_TRACES_SAMPLER": "rpc_observe_ratelimit"}),
+    ("RPC_OBSERVE_SPANS_MAX_BYTES", "-1", "a int from 0 to 1125899906842624; using 1073741824", {}),
+    ("RPC_OBSERVE_SPANS_MAX_BYTES", "1GiB", "a int from 0 to 1125899906842624; using 1073741824", {}),
+    ("RPC_OBSERVE_SPANS_FILE_BYTES", "512", "a int from 1024 to 1125899906842624; using 67108864", {}),
+    ("RPC_OBSERVE_SPANS_FILE_BYTES", "0", "a int from 1024 to 1125899906842624; using 67108864", {}),
+    # A file bigger than the cap: a quarter of the cap instead (what the cap alone gives).
+    ("RPC_OBSERVE_SPANS_FILE_BYTES", "2000000", "at most RPC_OBSERVE_SPANS_MAX_BYTES (1000000) when a cap is set; "
+     "using 250000", {"RPC_OBSERVE_SPANS_MAX_BYTES": "1000000"}),
     ("OTEL_PROPAGATORS", "xray", "a comma-separated list of tracecontext, baggage, b3, b3multi, jaeger, none; "
                                  "ignoring xray", {}),
     ("OTEL_BSP_SCHEDULE_DELAY", "0", "a int from 1 to 3600000; using 1000", {}),
@@ -102,7 +120,7 @@ def test_a_bad_value_warns_once_and_uses_the_default(caplog: pytest.LogCaptureFi
 
 
 LOWERCASED = {"RPC_OBSERVE_METRICS", "RPC_OBSERVE_PROFILER_EVENTS", "RPC_OBSERVE_PROFILE", "RPC_OBSERVE_SIGNALS",
-              "RPC_OBSERVE_GIL_PROFILING",
+              "RPC_OBSERVE_GIL_PROFILING", "RPC_OBSERVE_PEER_LABELS",
               "RPC_OBSERVE_SPAN_NAMES", "OTEL_TRACES_SAMPLER"}
 
 
@@ -142,7 +160,8 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
         "RPC_OBSERVE_METRICS_PORT": " 65535 ", "RPC_OBSERVE_METRICS_ADDR": " 0.0.0.0 ", "RPC_OBSERVE_MAX_METHODS": "1",
         "RPC_OBSERVE_PROFILER_EVENTS": "no", "RPC_OBSERVE_PROFILE": "YES", "RPC_OBSERVE_PROFILE_MAX_SECONDS": "86400",
         "RPC_OBSERVE_SPAN_NAMES": "Method", "RPC_OBSERVE_MAX_EXCEPTION_MESSAGE": "0", "RPC_OBSERVE_SIGNALS": "false",
-        "RPC_OBSERVE_GIL_PROFILING": "on",
+        "RPC_OBSERVE_GIL_PROFILING": "on", "RPC_OBSERVE_MAX_PEERS": " 1024 ",
+        "RPC_OBSERVE_PEER_LABELS": " Histograms ",
         "OTEL_TRACES_EXPORTER": "otlp,console", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         "OTEL_TRACES_SAMPLER": " TraceIdRatio ", "OTEL_TRACES_SAMPLER_ARG": "0.25", "OTEL_PROPAGATORS": "b3multi",
         "OTEL_SERVICE_NAME": "trainer", "OTEL_BSP_SCHEDULE_DELAY": "250", "OTEL_BSP_MAX_QUEUE_SIZE": "1",
@@ -150,10 +169,12 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
     })
     assert dataclasses.asdict(cfg) == {
         "out_dir": "/tmp/out", "run_id": "run-1", "metrics": False, "metrics_port": 65535, "metrics_addr": "0.0.0.0",
-        "max_methods": 1, "profiler_events": False, "profile": True, "profile_max_seconds": 86400.0,
+        "max_methods": 1, "max_peers": 1024, "peer_labels": "histograms", "profiler_events": False, "profile": True,
+        "profile_max_seconds": 86400.0,
         "span_names": "method", "max_exception_message": 0, "signals": False, "gil_profiling": True,
         "traces_exporters": ("otlp", "console"), "otlp_protocol": "grpc", "sampler": "traceidratio",
-        "sampler_ratio": 0.25, "propagators": ("b3multi",), "service_name": "trainer", "bsp_schedule_delay_s": 0.25,
+        "sampler_ratio": 0.25, "sampler_rate": 10.0, "spans_max_bytes": 1073741824, "spans_file_bytes": 67108864,
+        "propagators": ("b3multi",), "service_name": "trainer", "bsp_schedule_delay_s": 0.25,
         "bsp_max_queue_size": 1, "bsp_max_export_batch_size": 10_000_000, "bsp_export_timeout_s": 0.001}
     assert warnings_of(caplog) == []
 
@@ -172,9 +193,29 @@ def test_special_cases(caplog: pytest.LogCaptureFixture) -> None:
     assert warnings_of(caplog) == []
 
 
+def test_span_file_bounds_and_the_rate_limited_sampler(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = config.load({"RPC_OBSERVE_SPANS_MAX_BYTES": "0", "RPC_OBSERVE_SPANS_FILE_BYTES": " 1024 "})
+    assert (cfg.spans_max_bytes, cfg.spans_file_bytes) == (0, 1024)  # 0: no cap; rotation still at the size
+    cfg = config.load({"RPC_OBSERVE_SPANS_MAX_BYTES": "300000"})  # the default file size does not fit: a quarter
+    assert (cfg.spans_max_bytes, cfg.spans_file_bytes) == (300000, 75000)
+    cfg = config.load({"RPC_OBSERVE_SPANS_MAX_BYTES": "300000", "RPC_OBSERVE_SPANS_FILE_BYTES": "300000"})
+    assert cfg.spans_file_bytes == 300000  # equal to the cap is allowed
+    cfg = config.load({"RPC_OBSERVE_SPANS_MAX_BYTES": "0", "RPC_OBSERVE_SPANS_FILE_BYTES": str(1 << 40)})
+    assert cfg.spans_file_bytes == 1 << 40  # no cap: any size
+    for sampler in ("rpc_observe_ratelimit", "parentbased_rpc_observe_ratelimit"):
+        cfg = config.load({"OTEL_TRACES_SAMPLER": sampler.upper(), "OTEL_TRACES_SAMPLER_ARG": "2.5"})
+        assert (cfg.sampler, cfg.sampler_rate, cfg.sampler_ratio) == (sampler, 2.5, 1.0)
+    assert config.load({"OTEL_TRACES_SAMPLER": "parentbased_rpc_observe_ratelimit"}).sampler_rate == 10.0
+    # The rate is read only for the rate-limited samplers, the ratio only for the ratio ones.
+    assert config.load({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.5"}).sampler_rate == 10.0
+    assert warnings_of(caplog) == []
+
+
 @pytest.mark.parametrize("name", ["RPC_OBSERVE_METRICS_PORT", "RPC_OBSERVE_MAX_METHODS", "OTEL_BSP_SCHEDULE_DELAY",
+                                  "RPC_OBSERVE_MAX_PEERS", "RPC_OBSERVE_PEER_LABELS",
                                   "OTEL_TRACES_EXPORTER", "OTEL_PROPAGATORS", "OTEL_TRACES_SAMPLER",
-                                  "RPC_OBSERVE_SPAN_NAMES", "RPC_OBSERVE_PROFILE", "RPC_OBSERVE_METRICS_ADDR"])
+                                  "RPC_OBSERVE_SPAN_NAMES", "RPC_OBSERVE_PROFILE", "RPC_OBSERVE_METRICS_ADDR",
+                                  "RPC_OBSERVE_SPANS_MAX_BYTES", "RPC_OBSERVE_SPANS_FILE_BYTES"])
 def test_an_empty_value_is_unset(caplog: pytest.LogCaptureFixture, name: str) -> None:
     assert config.load({name: ""}) == DEFAULT
     assert warnings_of(caplog) == []

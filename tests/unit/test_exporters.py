@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from rpc_observe import __version__
+from rpc_observe.telemetry import health
 from rpc_observe.telemetry.exporters import OtlpJsonFileSink, SdkExporterSink
 from rpc_observe.telemetry.tracing import CLIENT, SERVER, SpanRecord
 
@@ -256,3 +259,229 @@ def test_sdk_sink_reports_failure_and_shuts_the_exporter_down() -> None:
     assert memory._stopped is True
     assert sink.export(batch()) is False  # the exporter refuses after shutdown: the tracer counts them dropped
     assert memory.get_finished_spans() == ()
+
+
+# -- OtlpJsonFileSink: rotation, the cap, disk errors -------------------------------------
+
+
+def spans_of(path: Path) -> list[int]:
+    """Span ids in a span file, in file order; every line must parse."""
+    return [int(s["spanId"], 16) for line in path.read_text(encoding="utf-8").splitlines()
+            for s in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]]
+
+
+def files_of(sink: OtlpJsonFileSink) -> list[Path]:
+    """The sink's files, oldest first: path.N (N largest first) ... path.1, then path."""
+    base = Path(sink.path)
+    rotated = sorted((int(p.name.rsplit(".", 1)[1]), p) for p in base.parent.glob(base.name + ".*"))
+    return [p for _, p in reversed(rotated)] + ([base] if base.exists() else [])
+
+
+def spans_in_files(sink: OtlpJsonFileSink) -> list[int]:
+    return [span_id for path in files_of(sink) for span_id in spans_of(path)]
+
+
+def numbered(start: int, n: int) -> list[SpanRecord]:
+    """n spans of one call site with span ids start, start+1, ... (~550 bytes each, ~350 per line)."""
+    return [record("rpc_sync#f(worker0 -> worker1)", CLIENT, i, 0, CLIENT_ATTRS, 1_700_000_000_000_000_000 + i,
+                   1_700_000_000_000_000_500 + i) for i in range(start, start + n)]
+
+
+def sink_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "rpc_observe" and r.levelno >= logging.WARNING]
+
+
+def test_file_sink_rotates_by_size_logrotate_style(tmp_path: Path) -> None:
+    path = tmp_path / "worker0-1.jsonl"
+    sink = OtlpJsonFileSink(str(path), RESOURCE, file_bytes=2000, max_bytes=0)
+    for batch_no in range(12):
+        assert sink.export(numbered(batch_no * 3, 3)) is True
+    sink.shutdown()
+    files = files_of(sink)
+    assert [p.name for p in files] == [f"worker0-1.jsonl.{n}" for n in range(len(files) - 1, 0, -1)] + [path.name]
+    assert len(files) >= 4  # it did rotate, and nothing is deleted without a cap
+    assert all(p.stat().st_size <= 2000 for p in files)
+    assert spans_in_files(sink) == list(range(36))  # oldest file first: the export order; larger N is older
+    assert spans_of(files[0])[0] == 0 and spans_of(path)[-1] == 35
+    assert sum(health.spans_dropped.values()) == 0
+
+
+def test_file_sink_splits_a_batch_into_lines_that_fit_a_file(tmp_path: Path) -> None:
+    sink = OtlpJsonFileSink(str(tmp_path / "s.jsonl"), RESOURCE, file_bytes=4096, max_bytes=0)
+    sink.export(numbered(0, 100))  # ~33 kB in one batch
+    sink.shutdown()
+    files = files_of(sink)
+    assert len(files) > 8 and all(p.stat().st_size <= 4096 for p in files)
+    lines = [line for p in files for line in p.read_text(encoding="utf-8").splitlines(keepends=True)]
+    assert all(len(line.encode()) <= 4096 for line in lines)
+    assert [len(parse_line(line).resource_spans[0].scope_spans[0].spans) for line in lines].count(0) == 0
+    assert spans_in_files(sink) == list(range(100))
+
+
+@pytest.mark.parametrize("file_bytes", [3000, 10_000])
+def test_file_sink_cap_deletes_the_oldest_files_and_counts_their_spans(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, file_bytes: int) -> None:
+    caplog.set_level(logging.WARNING, logger="rpc_observe")
+    sink = OtlpJsonFileSink(str(tmp_path / "s.jsonl"), RESOURCE, file_bytes=file_bytes, max_bytes=10_000)
+    exported = 0
+    for batch_no in range(40):
+        n = 1 + batch_no % 7  # batches of several sizes
+        sink.export(numbered(exported, n))
+        exported += n
+        total = sum(p.stat().st_size for p in files_of(sink))
+        assert total <= 10_000  # after every batch: no slack
+        kept = spans_in_files(sink)
+        assert health.spans_dropped["disk_cap"] == exported - len(kept)  # exact, from the per-file counts
+        assert kept == list(range(exported - len(kept), exported))  # the newest, none missing in between
+    sink.shutdown()
+    assert health.spans_dropped["disk_cap"] > 0 and len(spans_in_files(sink)) >= 10
+    names = [p.name for p in files_of(sink)]
+    assert names == [f"s.jsonl.{n}" for n in range(len(names) - 1, 0, -1)] + ["s.jsonl"]  # numbers stay 1..N
+    warned = sink_warnings(caplog)
+    assert len(warned) == 1, warned
+    assert "RPC_OBSERVE_SPANS_MAX_BYTES=10000" in warned[0] and 'reason="disk_cap"' in warned[0]
+    assert str(tmp_path / "s.jsonl") in warned[0]
+
+
+def test_file_sink_zero_is_no_cap(tmp_path: Path) -> None:
+    sink = OtlpJsonFileSink(str(tmp_path / "s.jsonl"), RESOURCE, file_bytes=5000, max_bytes=0)
+    for i in range(100):
+        sink.export(numbered(i * 5, 5))
+    sink.shutdown()
+    assert spans_in_files(sink) == list(range(500))
+    assert sum(p.stat().st_size for p in files_of(sink)) > 100_000
+    assert sum(health.spans_dropped.values()) == 0
+
+
+def test_file_sink_a_line_bigger_than_the_cap_is_dropped_as_disk_cap(tmp_path: Path) -> None:
+    sink = OtlpJsonFileSink(str(tmp_path / "s.jsonl"), RESOURCE, file_bytes=200, max_bytes=200)
+    sink.export(numbered(0, 2))  # each span alone is a line of ~600 bytes: none fits under the cap
+    sink.shutdown()
+    assert health.spans_dropped["disk_cap"] == 2 and spans_in_files(sink) == []
+
+
+def test_file_sink_counts_files_left_by_an_earlier_process_but_not_their_spans(tmp_path: Path) -> None:
+    path = tmp_path / "worker0-1.jsonl"  # PID 1 again, in a restarted container
+    earlier = OtlpJsonFileSink(str(path), RESOURCE, file_bytes=3000, max_bytes=0)
+    for i in range(10):
+        earlier.export(numbered(1000 + i * 5, 5))
+    earlier.shutdown()
+    left = len(files_of(earlier))
+    assert left >= 3
+    sink = OtlpJsonFileSink(str(path), RESOURCE, file_bytes=3000, max_bytes=9000)
+    for i in range(10):
+        sink.export(numbered(i * 5, 5))
+    sink.shutdown()
+    assert sum(p.stat().st_size for p in files_of(sink)) <= 9000
+    kept = spans_in_files(sink)
+    assert kept == list(range(50 - len(kept), 50))  # the earlier process's files went first
+    assert health.spans_dropped["disk_cap"] == 50 - len(kept)  # only this process's spans
+
+
+class FullDisk:
+    """A span file on a disk with `room` bytes left: writes fill it, then raise ENOSPC, as a real one does."""
+
+    def __init__(self, real: Any, room: int) -> None:
+        self.real, self.room = real, room
+
+    def write(self, data: Any) -> int:
+        if self.room <= 0:
+            raise OSError(28, "No space left on device")
+        n = min(len(data), self.room)
+        self.room -= n
+        return self.real.write(bytes(data[:n]))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_file_sink_full_disk_drops_counts_warns_once_and_recovers(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="rpc_observe")
+    sink = OtlpJsonFileSink(str(tmp_path / "s.jsonl"), RESOURCE, file_bytes=1 << 20, max_bytes=1 << 30)
+    sink.export(numbered(0, 3))
+    sink._file = disk = FullDisk(sink._file, room=500)  # half of the next line fits, then the disk is full
+    for i in range(1, 6):
+        assert sink.export(numbered(i * 3, 3)) is True  # never raises, never False
+    assert health.spans_dropped["disk_error"] == 15
+    assert spans_in_files(sink) == [0, 1, 2]  # the partial line was taken back: every line parses
+    disk.room = 1 << 20  # the disk frees up: the next batch is written
+    sink.export(numbered(100, 2))
+    sink.shutdown()
+    assert spans_in_files(sink) == [0, 1, 2, 100, 101]
+    assert health.spans_dropped["disk_error"] == 15 and health.internal_errors == {}
+    warned = sink_warnings(caplog)
+    assert len(warned) == 1, warned
+    assert f"cannot write span file {tmp_path / 's.jsonl'} (ENOSPC: No space left on device)" in warned[0]
+    assert 'reason="disk_error"' in warned[0]
+
+
+def test_file_sink_partial_line_that_cannot_be_taken_back_stays_on_its_own_line(tmp_path: Path) -> None:
+    sink = OtlpJsonFileSink(str(tmp_path / "s.jsonl"), RESOURCE, file_bytes=1 << 20, max_bytes=0)
+    sink.export(numbered(0, 1))
+    disk = FullDisk(sink._file, room=100)
+
+    def truncate(size: int) -> int:
+        raise OSError(5, "Input/output error")
+
+    disk.truncate = truncate  # type: ignore[attr-defined]
+    sink._file = disk
+    sink.export(numbered(1, 3))
+    disk.room = 1 << 20
+    sink.export(numbered(4, 1))
+    sink.shutdown()
+    lines = Path(sink.path).read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 3 and len(lines[1]) == 100  # the garbage is a line of its own...
+    assert [int(s["spanId"], 16) for i in (0, 2) for s in json.loads(lines[i])["resourceSpans"][0]["scopeSpans"][0][
+        "spans"]] == [0, 4]  # ...and the lines around it are whole
+    assert health.spans_dropped["disk_error"] == 3
+
+
+@pytest.mark.parametrize("failing", ["rename", "remove"])
+def test_file_sink_unwritable_directory_at_rotation_or_deletion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture,
+                                                                failing: str) -> None:
+    """The directory turns read-only (EROFS) while the job runs: rotation or the cap's deletion fails."""
+    caplog.set_level(logging.WARNING, logger="rpc_observe")
+    sink = OtlpJsonFileSink(str(tmp_path / "s.jsonl"), RESOURCE, file_bytes=3000, max_bytes=9000)
+    exported = 0
+    for _ in range(12):  # into the cap: files rotated, and the oldest deleted
+        sink.export(numbered(exported, 4))
+        exported += 4
+    assert health.spans_dropped["disk_cap"] > 0
+    real = getattr(os, failing)
+
+    def read_only(*args: Any) -> None:
+        raise OSError(30, "Read-only file system", args[0])
+
+    monkeypatch.setattr(os, failing, read_only)
+    for _ in range(6):
+        sink.export(numbered(exported, 4))
+        exported += 4
+    assert health.spans_dropped["disk_error"] > 0
+    assert sum(p.stat().st_size for p in files_of(sink)) <= 9000  # still under the cap
+    monkeypatch.setattr(os, failing, real)  # writable again
+    for _ in range(6):
+        sink.export(numbered(exported, 4))
+        exported += 4
+    sink.shutdown()
+    kept = spans_in_files(sink)
+    assert kept[-4:] == list(range(exported - 4, exported))  # written again
+    assert sum(p.stat().st_size for p in files_of(sink)) <= 9000
+    assert health.spans_dropped["disk_cap"] + health.spans_dropped["disk_error"] == exported - len(kept)
+    warned = [w for w in sink_warnings(caplog) if "cannot write span file" in w]
+    assert len(warned) == 1 and "(EROFS: Read-only file system)" in warned[0]
+
+
+def test_file_sink_that_cannot_even_open_its_file_counts_and_goes_on(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="rpc_observe")
+    missing = tmp_path / "gone" / "s.jsonl"
+    sink = OtlpJsonFileSink(str(missing), RESOURCE)  # no exception out of the constructor
+    assert sink.export(numbered(0, 3)) is True
+    missing.parent.mkdir()
+    sink.export(numbered(3, 2))  # retried: the directory is back
+    sink.shutdown()
+    assert spans_of(missing) == [3, 4] and health.spans_dropped["disk_error"] == 3
+    warned = sink_warnings(caplog)
+    assert len(warned) == 1 and "(ENOENT: No such file or directory)" in warned[0]

@@ -110,12 +110,13 @@ def test_client_call_records(registry: CollectorRegistry, metrics: Metrics) -> N
         metrics.record((fold_finished, cells, seconds))
     samples = scrape(registry)
     hist = "torch_rpc_client_duration_seconds"
-    labels = {"worker": W, "method": "f", "mode": "sync", "dst": "worker1"}
+    labels = {"worker": W, "method": "f", "mode": "sync"}  # no peer on a histogram, by default
     assert buckets(samples, hist, **labels) == cumulative(LATENCY_LE, {"0.001": 2, "+Inf": 1})
     assert value(samples, hist + "_count", **labels) == 3
     assert value(samples, hist + "_sum", **labels) == pytest.approx(100.0017, abs=1e-12)
+    assert all("dst" not in ls for n, ls, _ in samples if n.startswith(hist))
     assert value(samples, "torch_rpc_client_in_flight", worker=W, dst="worker1") == 0
-    assert value(samples, "torch_rpc_client_requests_total", **labels) == 3  # cumulative across scrapes
+    assert value(samples, "torch_rpc_client_requests_total", **labels, dst="worker1") == 3  # cumulative
 
 
 def test_message_records(registry: CollectorRegistry, metrics: Metrics) -> None:
@@ -126,7 +127,10 @@ def test_message_records(registry: CollectorRegistry, metrics: Metrics) -> None:
     # the destination's sent-bytes cell and what goes on the wire (pickle + trailer + storage).
     metrics.record((fold_message, request, 100, 2, 4096, 8192, 3e-6, client.sent_bytes, 100 + 30 + 8192))
     metrics.record((fold_message, request, 64, 0, 0, 0, 0.02, client.sent_bytes, 64 + 30))
-    metrics.record((fold_message, response, 5_000_000, 1, 2**32, 2**33, 20.0, None, 0))  # a response: no sent bytes
+    # A response the caller unpickles: the destination's received-bytes cell and what came in (pickle + storage).
+    metrics.record((fold_message, response, 5_000_000, 1, 2**32, 2**33, 20.0, client.received_bytes,
+                    5_000_000 + 12 + 2**33))
+    metrics.record((fold_message, response, 10, 0, 0, 0, 0.0, None, 0))  # an unmatched response: no peer to count
     samples = scrape(registry)
     req = {"worker": W, "direction": "serialize", "message": "request", "method": "f"}
     resp = {"worker": W, "direction": "deserialize", "message": "response", "method": "f"}
@@ -139,10 +143,14 @@ def test_message_records(registry: CollectorRegistry, metrics: Metrics) -> None:
     assert value(samples, "torch_rpc_serialized_bytes_sum", **req) == 164
     assert value(samples, "torch_rpc_tensor_storage_bytes_sum", **req) == 8192
     assert value(samples, "torch_rpc_client_sent_bytes_total", worker=W, dst="worker1") == 8322 + 94
-    assert buckets(samples, "torch_rpc_serialized_bytes", **resp) == cumulative(SIZE_LE, {"1.6777216e+07": 1})
-    assert buckets(samples, "torch_rpc_tensor_bytes", **resp) == cumulative(SIZE_LE, {"4.294967296e+09": 1})
-    assert buckets(samples, "torch_rpc_tensor_storage_bytes", **resp) == cumulative(SIZE_LE, {"+Inf": 1})
-    assert buckets(samples, "torch_rpc_serialization_seconds", **resp) == cumulative(SERIALIZATION_LE, {"+Inf": 1})
+    assert value(samples, "torch_rpc_client_received_bytes_total", worker=W, dst="worker1") == 5_000_012 + 2**33
+    assert buckets(samples, "torch_rpc_serialized_bytes", **resp) == cumulative(SIZE_LE, {"64.0": 1,
+                                                                                         "1.6777216e+07": 1})
+    assert buckets(samples, "torch_rpc_tensor_bytes", **resp) == cumulative(SIZE_LE, {"64.0": 1,
+                                                                                      "4.294967296e+09": 1})
+    assert buckets(samples, "torch_rpc_tensor_storage_bytes", **resp) == cumulative(SIZE_LE, {"64.0": 1, "+Inf": 1})
+    assert buckets(samples, "torch_rpc_serialization_seconds", **resp) == cumulative(
+        SERIALIZATION_LE, {"1e-06": 1, "+Inf": 1})
     assert value(samples, "torch_rpc_tensor_storage_bytes_sum", **resp) == 2**33
 
 
@@ -154,11 +162,12 @@ def test_served_records_and_errors(registry: CollectorRegistry, metrics: Metrics
     for _ in range(2):
         metrics.count_error("client", "f", "worker2", "timeout")
     samples = scrape(registry)
-    labels = {"worker": W, "method": "f", "src": "worker1"}
+    labels = {"worker": W, "method": "f"}  # the callee's series carry no caller, by default
     assert buckets(samples, "torch_rpc_server_duration_seconds", **labels) == cumulative(
         LATENCY_LE, {"5e-05": 1, "0.025": 2, "0.05": 1})
     assert value(samples, "torch_rpc_server_duration_seconds_sum", **labels) == pytest.approx(0.075)
     assert value(samples, "torch_rpc_server_errors_total", **labels, exception="ValueError") == 1
+    assert not [ls for n, ls, _ in samples if n.startswith("torch_rpc_server") and "src" in ls]
     errors = {"worker": W, "method": "f", "dst": "worker2", "exception": "timeout"}
     assert value(samples, "torch_rpc_client_errors_total", **errors) == 2
 
@@ -174,6 +183,7 @@ def test_exposition_format_and_types(registry: CollectorRegistry, metrics: Metri
         "torch_rpc_serialization_seconds": "histogram", "torch_rpc_client_duration_seconds": "histogram",
         "torch_rpc_server_duration_seconds": "histogram", "torch_rpc_client_requests": "counter",
         "torch_rpc_client_errors": "counter", "torch_rpc_client_sent_bytes": "counter",
+        "torch_rpc_client_received_bytes": "counter",
         "torch_rpc_server_errors": "counter", "torch_rpc_client_in_flight": "gauge"}
     assert "# TYPE torch_rpc_client_requests_total counter" in text
     assert 'torch_rpc_client_requests_total{dst="worker1",method="f",mode="sync",worker="worker0"} 1.0' in text
@@ -186,8 +196,8 @@ def test_buckets_match_prometheus_clients_own_histogram() -> None:
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     m = Metrics(W, 10)
     ours.register(m)
-    served = Histogram("torch_rpc_server_duration_seconds", "doc", ["worker", "method", "src"],
-                       buckets=LATENCY_BUCKETS, registry=theirs).labels(W, "f", "w1")
+    served = Histogram("torch_rpc_server_duration_seconds", "doc", ["worker", "method"],
+                       buckets=LATENCY_BUCKETS, registry=theirs).labels(W, "f")
     sizes = Histogram("torch_rpc_serialized_bytes", "doc", ["worker", "direction", "message", "method"],
                       buckets=SIZE_BUCKETS, registry=theirs).labels(W, "serialize", "request", "f")
     cell, cells = m.server_cell("f", "w1"), m.message_cells("serialize", "request", "f")
@@ -204,8 +214,10 @@ def test_buckets_match_prometheus_clients_own_histogram() -> None:
         assert value(mine, name + "_count") == value(reference, name + "_count") == 5
 
 
-def test_names_are_capped_with_overflow_to_other(registry: CollectorRegistry, metrics: Metrics) -> None:
-    # max_names=3: per kind (method, peer, exception), the first 3 distinct names keep their own label.
+def test_names_are_capped_with_overflow_to_other(registry: CollectorRegistry) -> None:
+    # max_names=3 and max_peers=3: per kind (method, peer, exception), the first 3 distinct names keep their label.
+    metrics = Metrics(W, max_names=3, max_peers=3)
+    registry.register(metrics)
     sites = [metrics.client_cells(m, "async", d) for m, d in
              (("f", "w1"), ("g", "w2"), ("h", "w3"), ("i", "w4"), ("j", "w5"), ("f", "w4"))]
     for cells in sites:
@@ -222,6 +234,76 @@ def test_names_are_capped_with_overflow_to_other(registry: CollectorRegistry, me
     assert errors == {"A": 1, "B": 1, "C": 1, "other": 2}
     assert value(samples, "torch_rpc_client_in_flight", dst="other") == 3
     assert metrics.cap("method", "f") == "f" and metrics.cap("method", "zzz") == "other"
+
+
+def test_the_peer_cap_is_its_own(registry: CollectorRegistry) -> None:
+    """RPC_OBSERVE_MAX_PEERS caps peers (dst on every per-peer series), independently of the method cap."""
+    metrics = Metrics(W, max_names=1, max_peers=4)
+    registry.register(metrics)
+    for i in range(6):
+        metrics.record((fold_started, metrics.client_cells("f", "sync", f"w{i}")))
+    metrics.count_error("client", "f", "w5", "timeout")
+    samples = scrape(registry)
+    in_flight = {ls["dst"]: v for n, ls, v in samples if n == "torch_rpc_client_in_flight"}
+    assert in_flight == {"w0": 1, "w1": 1, "w2": 1, "w3": 1, "other": 2}
+    assert {ls["dst"] for n, ls, _ in samples if n == "torch_rpc_client_received_bytes_total"} == set(in_flight)
+    assert value(samples, "torch_rpc_client_errors_total", method="f", dst="other", exception="timeout") == 1
+
+
+def test_peer_labels_histograms_puts_peers_on_the_latency_histograms(registry: CollectorRegistry) -> None:
+    """RPC_OBSERVE_PEER_LABELS=histograms: the label sets before series were bounded (dst, src on latency)."""
+    metrics = Metrics(W, 10, peer_histograms=True)
+    registry.register(metrics)
+    cells = metrics.client_cells("f", "sync", "worker1")
+    metrics.record((fold_finished, cells, 0.01))
+    metrics.record((fold_served, metrics.server_cell("g", "worker2"), 0.01))
+    metrics.count_error("server", "g", "worker2", "ValueError")
+    samples = scrape(registry)
+    assert value(samples, "torch_rpc_client_duration_seconds_count", method="f", mode="sync", dst="worker1") == 1
+    assert value(samples, "torch_rpc_server_duration_seconds_count", method="g", src="worker2") == 1
+    assert value(samples, "torch_rpc_server_errors_total", method="g", src="worker2", exception="ValueError") == 1
+
+
+def _served_by(n_callers: int, methods: int = 5, peer_histograms: bool = False) -> tuple[int, int]:
+    """(series, bytes) of the scrape of a worker that `n_callers` peers call with `methods` methods, each site
+    bound as hooks/server.py and hooks/pickler.py bind it."""
+    registry = CollectorRegistry()
+    m = Metrics(W, 100, peer_histograms=peer_histograms)
+    registry.register(m)
+    for k in range(methods):
+        request = m.message_cells("deserialize", "request", f"m{k}")
+        response = m.message_cells("serialize", "response", f"m{k}")
+        for caller in range(n_callers):
+            m.record((fold_message, request, 100, 1, 16, 16, 1e-5, None, 0))
+            m.record((fold_served, m.server_cell(f"m{k}", f"worker{caller + 1}"), 1e-3))
+            m.record((fold_message, response, 100, 1, 16, 16, 1e-5, None, 0))
+    text = generate_latest(registry).decode()
+    return len(parse(text)[1]), len(text)
+
+
+def test_a_callees_series_do_not_grow_with_its_callers() -> None:
+    (series, size), (series_1024, size_1024) = _served_by(15), _served_by(1024)
+    assert series == series_1024 and size_1024 < size * 1.02  # the same series; only the values have more digits
+    few, _ = _served_by(15, peer_histograms=True)
+    many, _ = _served_by(1024, peer_histograms=True)
+    # method x caller x (buckets, +Inf, sum, count), callers capped at RPC_OBSERVE_MAX_PEERS (256) and `other`
+    assert many - few == (256 + 1 - 15) * 5 * (len(LATENCY_BUCKETS) + 3)
+
+
+def test_a_callers_per_peer_series_are_capped() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(W, 100, max_peers=256)
+    registry.register(m)
+    for peer in range(1024):
+        cells = m.client_cells("f", "sync", f"worker{peer}")
+        m.record((fold_started, cells))
+        m.record((fold_finished, cells, 1e-3))
+    samples = scrape(registry)
+    for name in ("torch_rpc_client_requests_total", "torch_rpc_client_in_flight", "torch_rpc_client_sent_bytes_total",
+                 "torch_rpc_client_received_bytes_total"):
+        assert len([1 for n, _, _ in samples if n == name]) == 257  # 256 peers and `other`
+    assert value(samples, "torch_rpc_client_requests_total", dst="other") == 1024 - 256
+    assert value(samples, "torch_rpc_client_duration_seconds_count", method="f") == 1024  # one histogram
 
 
 def test_drain_limit_reports_whether_records_are_left(metrics: Metrics) -> None:
@@ -278,12 +360,15 @@ def test_health_counters_are_exposed(registry: CollectorRegistry, metrics: Metri
             raise RuntimeError(f"boom in {where}")
         except RuntimeError:
             health.internal_error(where)
-    health.spans_lost(7)
+    health.spans_lost(7, "queue_full")
+    health.spans_lost(2, "disk_cap")
     health.invalid_context()
     samples = scrape(registry)
     assert value(samples, "rpc_observe_internal_errors_total", worker=W, where="serialize") == 2
     assert value(samples, "rpc_observe_internal_errors_total", worker=W, where="deserialize") == 1
-    assert value(samples, "rpc_observe_spans_dropped_total", worker=W) == 7
+    assert value(samples, "rpc_observe_spans_dropped_total", worker=W, reason="queue_full") == 7
+    assert value(samples, "rpc_observe_spans_dropped_total", worker=W, reason="disk_cap") == 2
+    assert value(samples, "rpc_observe_spans_dropped_total", worker=W, reason="disk_error") == 0  # every reason
     assert value(samples, "rpc_observe_invalid_context_total", worker=W) == 1
     warnings = [r for r in caplog.records if "internal error" in r.getMessage()]
     assert len(warnings) == 2  # the first of each kind, with its traceback

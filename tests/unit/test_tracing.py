@@ -60,9 +60,10 @@ def make_tracer() -> Iterator[TracerFactory]:
     """Builds Tracers from explicit environs, each with its own MemorySink; shuts them all down afterwards."""
     made: list[Tracer] = []
 
-    def make(env: dict[str, str] | None = None, sink: MemorySink | None = None) -> tuple[Tracer, MemorySink]:
+    def make(env: dict[str, str] | None = None, sink: MemorySink | None = None,
+             clock: Callable[[], float] = time.monotonic) -> tuple[Tracer, MemorySink]:
         sink = sink if sink is not None else MemorySink()
-        tracer = Tracer(config.load({**IDLE, **(env or {})}), [sink])
+        tracer = Tracer(config.load({**IDLE, **(env or {})}), [sink], clock)
         made.append(tracer)
         return tracer, sink
 
@@ -120,7 +121,7 @@ def test_fixed_samplers_decide_every_root_span(make_tracer: TracerFactory, sampl
         tracer.end(span, 20)
     assert tracer.flush(2.0) is True
     assert len(sink.records) == (40 if expected else 0)
-    assert health.spans_dropped[0] == 0
+    assert sum(health.spans_dropped.values()) == 0
 
 
 @pytest.mark.parametrize("sampler", ["traceidratio", "parentbased_traceidratio"])
@@ -262,6 +263,107 @@ def test_no_context_is_not_an_invalid_context(make_tracer: TracerFactory, ctx: l
     assert health.invalid_contexts[0] == 0
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def roots(tracer: Tracer, n: int) -> list[bool]:
+    """Sampling decisions of n new traces, alternately started as client and as server (no context) roots."""
+    return [(tracer.start_client("c", ATTRS, 1) if i % 2 else tracer.start_server("s", ATTRS, None, 1)).sampled
+            for i in range(n)]
+
+
+def test_rate_limited_sampler_starts_at_most_n_traces_per_second(make_tracer: TracerFactory) -> None:
+    clock = FakeClock()
+    tracer, sink = make_tracer({"OTEL_TRACES_SAMPLER": "parentbased_rpc_observe_ratelimit",
+                                "OTEL_TRACES_SAMPLER_ARG": "5"}, clock=clock)
+    assert roots(tracer, 20) == [True] * 5 + [False] * 15  # a burst of 5, then none
+    clock.now += 0.2
+    assert roots(tracer, 3) == [True, False, False]  # 5/s: one more every 0.2 s
+    clock.now += 0.1
+    assert roots(tracer, 3) == [False] * 3
+    clock.now += 0.1
+    assert roots(tracer, 3) == [True, False, False]
+    clock.now += 3600  # an idle hour does not save up an hour of traces
+    assert roots(tracer, 20).count(True) == 5
+    for second in range(10):  # steady overload: 5 per second, every second
+        clock.now += 1.0
+        assert roots(tracer, 100).count(True) == 5, second
+    assert sum(health.spans_dropped.values()) == 0
+
+
+def test_rate_limited_sampler_below_one_per_second(make_tracer: TracerFactory) -> None:
+    clock = FakeClock()
+    tracer, _ = make_tracer({"OTEL_TRACES_SAMPLER": "parentbased_rpc_observe_ratelimit",
+                             "OTEL_TRACES_SAMPLER_ARG": "0.5"}, clock=clock)
+    assert roots(tracer, 3) == [True, False, False]
+    clock.now += 1.0
+    assert roots(tracer, 1) == [False]
+    clock.now += 1.0
+    assert roots(tracer, 2) == [True, False]
+
+
+def test_rate_limited_sampler_children_follow_their_parent_and_take_no_token(make_tracer: TracerFactory) -> None:
+    clock = FakeClock()
+    tracer, sink = make_tracer({"OTEL_TRACES_SAMPLER": "parentbased_rpc_observe_ratelimit",
+                                "OTEL_TRACES_SAMPLER_ARG": "2"}, clock=clock)
+    first, second, third = (tracer.start_client("root", ATTRS, 1) for _ in range(3))
+    assert (first.sampled, second.sampled, third.sampled) == (True, True, False)
+    for parent in (first, third):  # the bucket is empty: children follow anyway, both ways
+        for _ in range(10):
+            server = tracer.start_server("s", ATTRS, tracer.context_text(parent).split(propagation.SEP), 2)
+            assert (server.trace_id, server.parent_id, server.sampled) == (parent.trace_id, parent.span_id,
+                                                                           parent.sampled)
+            token = tracer.attach(server)  # a nested call made by the UDF
+            try:
+                nested = tracer.start_client("nested", ATTRS, 3)
+            finally:
+                tracer.detach(token)
+            assert (nested.trace_id, nested.sampled) == (parent.trace_id, parent.sampled)
+        token = with_parent(parent.trace_id, parent.span_id, parent.sampled)  # an OpenTelemetry parent
+        try:
+            assert tracer.start_client("c", ATTRS, 4).sampled is parent.sampled
+        finally:
+            context.detach(token)
+    clock.now += 0.5  # one token back: the 40 children took none
+    assert roots(tracer, 2) == [True, False]
+
+
+def test_rate_limited_sampler_without_parentbased_limits_every_span(make_tracer: TracerFactory) -> None:
+    """Documented: the plain form ignores the caller's decision, so a callee may keep half a trace."""
+    tracer, _ = make_tracer({"OTEL_TRACES_SAMPLER": "rpc_observe_ratelimit", "OTEL_TRACES_SAMPLER_ARG": "1"},
+                            clock=FakeClock())
+    root = tracer.start_client("c", ATTRS, 1)
+    server = tracer.start_server("s", ATTRS, tracer.context_text(root).split(propagation.SEP), 2)
+    assert (root.sampled, server.sampled, server.parent_id) == (True, False, root.span_id)
+
+
+def test_rate_limited_sampler_is_exact_across_threads(make_tracer: TracerFactory) -> None:
+    tracer, _ = make_tracer({"OTEL_TRACES_SAMPLER": "parentbased_rpc_observe_ratelimit",
+                             "OTEL_TRACES_SAMPLER_ARG": "100"}, clock=FakeClock())
+    decisions: list[bool] = []
+
+    def start() -> None:
+        decisions.extend(roots(tracer, 500))
+
+    threads = [threading.Thread(target=start) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(decisions) == 4000 and decisions.count(True) == 100
+
+
+def test_rate_limiter_with_the_real_clock() -> None:
+    limiter = tracing.RateLimiter(1000.0)
+    taken = sum(limiter.take() for _ in range(5000))
+    assert 1000 <= taken < 1500  # the burst, plus what refilled while this loop ran
+
+
 # -- ending, the queue, flush -------------------------------------------------------
 
 
@@ -282,12 +384,12 @@ def test_full_queue_drops_and_counts(make_tracer: TracerFactory) -> None:
     spans = [tracer.start_client(f"c{i}", ATTRS, i) for i in range(8)]
     for span in spans:
         tracer.end(span, 100)
-    assert health.spans_dropped[0] == 5
+    assert health.spans_dropped["queue_full"] == 5
     assert tracer.flush(2.0) is True
     assert [r.name for r in sink.records] == ["c0", "c1", "c2"]
     for span in [tracer.start_client("again", ATTRS, 1) for _ in range(4)]:  # room again after the flush
         tracer.end(span, 2)
-    assert health.spans_dropped[0] == 6
+    assert health.spans_dropped["queue_full"] == 6
     tracer.flush(2.0)
     assert [r.name for r in sink.records].count("again") == 3
 
@@ -297,7 +399,7 @@ def test_unsampled_spans_are_neither_queued_nor_dropped(make_tracer: TracerFacto
     for _ in range(5):
         tracer.end(tracer.start_client("c", ATTRS, 1), 2)
     tracer.flush(2.0)
-    assert sink.records == [] and health.spans_dropped[0] == 0
+    assert sink.records == [] and sum(health.spans_dropped.values()) == 0
 
 
 def test_flush_exports_everything_queued_in_batches(make_tracer: TracerFactory) -> None:
@@ -326,9 +428,9 @@ def test_failed_and_raising_exports_count_dropped_spans(make_tracer: TracerFacto
         for _ in range(3):
             tracer.end(tracer.start_client("c", ATTRS, 1), 2)
         assert tracer.flush(2.0) is True
-        assert health.spans_dropped[0] == 3
+        assert health.spans_dropped == {**dict.fromkeys(health.SPAN_DROP_REASONS, 0), "export_failed": 3}
         assert health.internal_errors == errors
-        health.spans_dropped[0] = 0
+        health.spans_dropped["export_failed"] = 0
 
 
 def test_flush_of_a_hung_exporter_times_out_and_shutdown_drops(make_tracer: TracerFactory,
@@ -348,7 +450,7 @@ def test_flush_of_a_hung_exporter_times_out_and_shutdown_drops(make_tracer: Trac
         assert tracer.flush() is False  # OTEL_BSP_EXPORT_TIMEOUT: 0.1 s
         tracer.shutdown()  # its flush waits 0.1 s at most now
         assert time.monotonic() - started < 0.6  # flush 0.1 s, shutdown's flush and join 0.1 s each
-        at_shutdown = health.spans_dropped[0]
+        at_shutdown = health.spans_dropped["timeout"]
         assert f"span export did not finish within 0.1s (OTEL_BSP_EXPORT_TIMEOUT); {at_shutdown} queued" in caplog.text
         assert sink.is_shut_down and sink.records == []
     finally:
@@ -360,7 +462,7 @@ def test_flush_of_a_hung_exporter_times_out_and_shutdown_drops(make_tracer: Trac
     # The hung exports end after shutdown and are refused: dropped at shutdown or refused later,
     # every span is counted exactly once.
     assert len(sink.late) + at_shutdown == 3 and sink.records == []
-    assert health.spans_dropped[0] == 3
+    assert health.spans_dropped["timeout"] + health.spans_dropped["export_failed"] == 3
 
 
 # -- shutdown: the last batch ---------------------------------------------------------
@@ -373,7 +475,7 @@ def test_shutdown_writes_the_last_batch(make_tracer: TracerFactory) -> None:
         tracer.end(span, 50)
     tracer.shutdown()
     assert [r.span_id for r in sink.records] == [s.span_id for s in spans]
-    assert sink.is_shut_down and sink.late == [] and health.spans_dropped[0] == 0
+    assert sink.is_shut_down and sink.late == [] and sum(health.spans_dropped.values()) == 0
 
 
 def test_shutdown_never_loses_the_last_batch_under_a_running_export_thread(make_tracer: TracerFactory) -> None:
@@ -388,7 +490,7 @@ def test_shutdown_never_loses_the_last_batch_under_a_running_export_thread(make_
         if len(sink.records) != n:
             lost.append((attempt, len(sink.records), len(sink.late)))
     assert lost == []
-    assert health.spans_dropped[0] == 0
+    assert sum(health.spans_dropped.values()) == 0
 
 
 def test_shutdown_waits_for_the_batch_the_export_thread_is_exporting(make_tracer: TracerFactory) -> None:

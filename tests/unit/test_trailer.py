@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 from torch.distributed.rpc.internal import PythonUDF
 
-from rpc_observe import config
 from rpc_observe.hooks import calls, trailer
 from rpc_observe.hooks.client import ClientSite
 from rpc_observe.hooks.pickler import wrap_deserialize
@@ -18,19 +14,6 @@ from rpc_observe.telemetry.metrics import fold_finished, fold_message
 
 def noop() -> None:
     pass
-
-
-@pytest.fixture
-def metrics_runtime(tmp_path: Any) -> Iterator[runtime.Runtime]:
-    """A real Runtime (metrics, no spans), current for the hooks, and gone after the test."""
-    cfg = config.load({"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none",
-                       "RPC_OBSERVE_PROFILER_EVENTS": "0"})
-    rt = runtime.Runtime(cfg, "worker1", 1)
-    runtime.current = rt
-    yield rt
-    runtime.current = None
-    calls.in_flight.clear()
-    rt.close()
 
 
 def test_layout_constants_describe_the_bytes() -> None:
