@@ -51,9 +51,13 @@ def serve(registry: CollectorRegistry, config: Config, rank: int | None) -> tupl
     return server, server.server_address[1]
 
 
-def write_target(targets_dir: str, worker: str, addr: str, port: int, run_id: str) -> str:
-    """Writes `<targets_dir>/<worker>.json` in Prometheus file_sd format, atomically."""
-    host = "127.0.0.1" if addr in ("", "0.0.0.0") else ("[::1]" if addr == "::" else addr)
+def write_target(targets_dir: str, worker: str, addr: str, port: int, run_id: str, advertise: str = "") -> str:
+    """Writes `<targets_dir>/<worker>.json` in Prometheus file_sd format, atomically.
+
+    The target names `advertise` if set (RPC_OBSERVE_METRICS_ADVERTISE_ADDR: how other hosts
+    reach this one), else the bind address, loopback for a wildcard bind.
+    """
+    host = advertise or ("127.0.0.1" if addr in ("", "0.0.0.0") else ("[::1]" if addr == "::" else addr))
     if ":" in host and not host.startswith("["):  # an IPv6 address: host:port needs brackets
         host = f"[{host}]"
     target = [

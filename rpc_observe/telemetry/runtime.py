@@ -147,7 +147,8 @@ class Runtime:
             return
         if out_dir is not None:
             self.target_path = exposition.write_target(
-                os.path.join(out_dir, "targets"), self.worker, self.config.metrics_addr, self.metrics_port, self.run_id
+                os.path.join(out_dir, "targets"), self.worker, self.config.metrics_addr, self.metrics_port, self.run_id,
+                self.config.metrics_advertise_addr,
             )
 
     def _start_tracing(self, out_dir: str | None) -> None:

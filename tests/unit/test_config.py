@@ -45,7 +45,8 @@ def test_empty_environ_is_the_documented_defaults(caplog: pytest.LogCaptureFixtu
     assert config.load({}) == DEFAULT
     assert dataclasses.asdict(DEFAULT) == {
         "out_dir": "rpc_observe_out", "run_id": "", "metrics": True, "metrics_port": None,
-        "metrics_addr": "127.0.0.1", "max_methods": 100, "max_peers": 256, "peer_labels": "counters",
+        "metrics_addr": "127.0.0.1", "metrics_advertise_addr": "",
+        "max_methods": 100, "max_peers": 256, "peer_labels": "counters",
         "profiler_events": True, "profile": False,
         "profile_max_seconds": 300.0, "span_names": "key", "max_exception_message": 256, "signals": True,
         "gil_profiling": False,
@@ -158,6 +159,7 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
     cfg = config.load({
         "RPC_OBSERVE_DIR": "/tmp/out", "RPC_OBSERVE_RUN_ID": "run-1", "RPC_OBSERVE_METRICS": " Off ",
         "RPC_OBSERVE_METRICS_PORT": " 65535 ", "RPC_OBSERVE_METRICS_ADDR": " 0.0.0.0 ", "RPC_OBSERVE_MAX_METHODS": "1",
+        "RPC_OBSERVE_METRICS_ADVERTISE_ADDR": " node7.cluster ",
         "RPC_OBSERVE_PROFILER_EVENTS": "no", "RPC_OBSERVE_PROFILE": "YES", "RPC_OBSERVE_PROFILE_MAX_SECONDS": "86400",
         "RPC_OBSERVE_SPAN_NAMES": "Method", "RPC_OBSERVE_MAX_EXCEPTION_MESSAGE": "0", "RPC_OBSERVE_SIGNALS": "false",
         "RPC_OBSERVE_GIL_PROFILING": "on", "RPC_OBSERVE_MAX_PEERS": " 1024 ",
@@ -169,6 +171,7 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
     })
     assert dataclasses.asdict(cfg) == {
         "out_dir": "/tmp/out", "run_id": "run-1", "metrics": False, "metrics_port": 65535, "metrics_addr": "0.0.0.0",
+        "metrics_advertise_addr": "node7.cluster",
         "max_methods": 1, "max_peers": 1024, "peer_labels": "histograms", "profiler_events": False, "profile": True,
         "profile_max_seconds": 86400.0,
         "span_names": "method", "max_exception_message": 0, "signals": False, "gil_profiling": True,
@@ -233,7 +236,8 @@ def test_a_bad_traces_protocol_names_its_own_variable(caplog: pytest.LogCaptureF
                                    "http/protobuf or grpc; using http/protobuf."]
 
 
-FREE_FORM = {"RPC_OBSERVE", "RPC_OBSERVE_DIR", "RPC_OBSERVE_RUN_ID", "RPC_OBSERVE_METRICS_ADDR", "OTEL_SERVICE_NAME",
+FREE_FORM = {"RPC_OBSERVE", "RPC_OBSERVE_DIR", "RPC_OBSERVE_RUN_ID", "RPC_OBSERVE_METRICS_ADDR",
+             "RPC_OBSERVE_METRICS_ADVERTISE_ADDR", "OTEL_SERVICE_NAME",
              "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "TORCHELASTIC_RUN_ID"}  # no bad value, or tested on its own
 
 

@@ -553,3 +553,8 @@ def test_write_target_writes_valid_file_sd(tmp_path: Path, addr: str, host: str)
 def test_write_target_brackets_ipv6_addresses(tmp_path: Path, addr: str) -> None:
     path = exposition.write_target(str(tmp_path), "worker3", addr, 9101, "run-42")
     assert check_file_sd(Path(path)) == [(addr, 9101)]
+
+
+def test_write_target_names_the_advertised_address(tmp_path: Path) -> None:
+    path = exposition.write_target(str(tmp_path), "worker3", "0.0.0.0", 9101, "run-42", advertise="node7.cluster")
+    assert json.loads(Path(path).read_text())[0]["targets"] == ["node7.cluster:9101"]
