@@ -106,22 +106,33 @@ class _Family:
         return cell
 
 
-def _observe(cell: Cell, buckets: tuple[float, ...], value: float) -> None:
-    cell[bisect.bisect_left(buckets, value)] += 1
-    cell[-1] += value if value > 0 else 0.0
+_bisect = bisect.bisect_left
 
 
 # Record handlers, applied by `Metrics.drain` under its lock; each record is (handler, ...).
 # The hot paths build the records themselves and pass them to `Metrics.record`.
 def fold_message(r: tuple) -> None:
+    """Five observations, inlined: a function call per histogram made the fold ~15 % dearer (2.45 against
+    2.1 us per RPC's records, warm), and it runs for every message in the process everyone calls.
+    Sizes and counts are >= 0; a duration is clamped at 0, as client_python does."""
     _, cells, nbytes, ntensors, tensor_bytes, storage_bytes, seconds, peer_cell, wire_bytes = r
     if peer_cell is not None:
         peer_cell[0] += wire_bytes
-    _observe(cells.payload_bytes, SIZE_BUCKETS, nbytes)
-    _observe(cells.tensors, COUNT_BUCKETS, ntensors)
-    _observe(cells.tensor_bytes, SIZE_BUCKETS, tensor_bytes)
-    _observe(cells.storage_bytes, SIZE_BUCKETS, storage_bytes)
-    _observe(cells.seconds, SERIALIZATION_BUCKETS, seconds)
+    cell = cells.payload_bytes
+    cell[_bisect(SIZE_BUCKETS, nbytes)] += 1
+    cell[-1] += nbytes
+    cell = cells.tensors
+    cell[_bisect(COUNT_BUCKETS, ntensors)] += 1
+    cell[-1] += ntensors
+    cell = cells.tensor_bytes
+    cell[_bisect(SIZE_BUCKETS, tensor_bytes)] += 1
+    cell[-1] += tensor_bytes
+    cell = cells.storage_bytes
+    cell[_bisect(SIZE_BUCKETS, storage_bytes)] += 1
+    cell[-1] += storage_bytes
+    cell = cells.seconds
+    cell[_bisect(SERIALIZATION_BUCKETS, seconds)] += 1
+    cell[-1] += seconds if seconds > 0 else 0.0
 
 
 def fold_started(r: tuple) -> None:
@@ -132,13 +143,16 @@ def fold_started(r: tuple) -> None:
 
 def fold_finished(r: tuple) -> None:
     _, cells, seconds = r
-    _observe(cells.duration, LATENCY_BUCKETS, seconds)
+    cell = cells.duration
+    cell[_bisect(LATENCY_BUCKETS, seconds)] += 1
+    cell[-1] += seconds if seconds > 0 else 0.0
     cells.in_flight[0] -= 1
 
 
 def fold_served(r: tuple) -> None:
     _, cell, seconds = r
-    _observe(cell, LATENCY_BUCKETS, seconds)
+    cell[_bisect(LATENCY_BUCKETS, seconds)] += 1
+    cell[-1] += seconds if seconds > 0 else 0.0
 
 
 class Metrics(Collector):
