@@ -28,6 +28,10 @@ def test_to_here_is_a_client_span_and_a_client_call(traffic):
     w0 = scraped["worker0"]
     assert total(w0, "torch_rpc_client_requests_total", method="RRef.to_here", mode="to_here") == 5
     assert total(w0, "torch_rpc_client_duration_seconds_count", method="RRef.to_here", mode="to_here") == 5
+    # the fetched tensors' bytes: 3 tensors of 1000-1002 floats and the 4-float weight twice
+    fetched = 4 * (1000 + 1001 + 1002) + 2 * 4 * 4
+    assert total(w0, "torch_rpc_tensor_storage_bytes_sum", method="RRef.to_here", direction="deserialize") == fetched
+    assert total(w0, "torch_rpc_client_received_bytes_total", dst="worker1") >= fetched
 
 
 def test_backward_and_optimizer_step_are_spans_and_parents(traffic):

@@ -2,7 +2,8 @@
 
 - `RRef.to_here()` (`PyRRef.to_here`): a CLIENT span and client metrics on the caller,
   `rpc_to_here#RRef.to_here(caller -> owner)`; it blocks the user, its duration is what
-  they wait for. A local RRef (this worker owns it) is no RPC and is left alone.
+  they wait for. A tensor value's storage bytes count as the response's. A local RRef
+  (this worker owns it) is no RPC and is left alone.
 - `torch.distributed.autograd.backward`: an INTERNAL span with its duration and the
   workers the autograd context reached (`torch.rpc.dist_autograd.workers`, from torch).
 - `DistributedOptimizer.step`: an INTERNAL span, parent of its per-worker
@@ -15,10 +16,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
+from ..telemetry.metrics import fold_message
 from .calls import Call, end_raised
 from .client import ClientSite
+from .pickler import tensor_sizes
 
 _time_ns = time.time_ns
 TO_HERE = "to_here"
@@ -66,6 +71,13 @@ def wrap_to_here(original: Callable[..., Any]) -> Callable[..., Any]:
             if call.rf is not None:
                 runtime.profiler.client_end(call.rf)  # type: ignore[union-attr]
             call.finish()
+            site = call.site
+            if site.record is not None and type(value) is torch.Tensor:
+                # A tensor RRef's value travels as a tensor, never through the pickler: count its
+                # storage as the response's bytes (the C++ message's own few bytes are not seen).
+                logical, traveling = tensor_sizes([value])
+                site.record((fold_message, site.response_cells, 0, 1, logical, traveling, 0.0, site.received,
+                             traveling))
         except Exception:
             health.internal_error("to_here_end")
         return value
