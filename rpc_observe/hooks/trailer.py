@@ -43,7 +43,8 @@ def request_trailer(head: str, call_id: int = 0, context: str = "") -> bytes:
     text = head + str(call_id) if call_id else head
     if context:
         text += SEP + context
-    return _pack(text)
+    payload = text.encode("utf-8", "replace")[:MAX_PAYLOAD]  # `_pack`, inline: one call fewer per request
+    return payload + len(payload).to_bytes(LENGTH_SIZE, "little") + MAGIC
 
 
 def response_trailer(call_id: str) -> bytes:
