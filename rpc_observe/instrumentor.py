@@ -155,5 +155,6 @@ class RpcObserveInstrumentor:
 
     def _uninstrument(self, **kwargs: Any) -> None:
         _bootstrap.cancel(RPC_MODULE)
+        _bootstrap.cancel("torch.distributed.optim")  # the hooks' post-import hook for DistributedOptimizer
         _patching.restore_all()
         _runtime.stop()

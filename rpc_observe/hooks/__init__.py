@@ -9,7 +9,7 @@ way: hooks -> telemetry, never back.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
@@ -40,16 +40,29 @@ def attach(runtime: Runtime) -> None:
                                                  config.profile_max_seconds)
 
 
+OPTIM_MODULE = "torch.distributed.optim"
+
+
 def _patch_traffic() -> None:
     """The entry points of traffic the pickler never sees (hooks/traffic.py): patched at init_rpc,
-    when torch is fully imported (torch.distributed.optim is not, when the rpc module is)."""
+    when torch is fully imported. torch.distributed.optim costs ~50 MB of RSS to import: it is
+    patched when the job imports it, never imported here."""
     import torch.distributed.autograd as dist_autograd
     from torch._C._distributed_rpc import PyRRef
-    from torch.distributed.optim import DistributedOptimizer
 
-    from .. import _patching
+    from .. import _bootstrap, _patching
     from . import traffic
 
     _patching.patch(PyRRef, "to_here", traffic.wrap_to_here)
     _patching.patch(dist_autograd, "backward", traffic.wrap_backward)
-    _patching.patch(DistributedOptimizer, "step", traffic.wrap_optimizer_step)
+    _bootstrap.on_import(OPTIM_MODULE, _patch_optimizer)
+
+
+def _patch_optimizer(optim: Any) -> None:
+    from . import compat
+
+    if compat.check("optimizer"):
+        from .. import _patching
+        from . import traffic
+
+        _patching.patch(optim.DistributedOptimizer, "step", traffic.wrap_optimizer_step)

@@ -69,7 +69,6 @@ def _profiler_expectations() -> list[Expectation]:
 def _traffic_expectations() -> list[Expectation]:
     import torch.distributed.autograd as dist_autograd
     from torch._C._distributed_rpc import PyRRef
-    from torch.distributed.optim import DistributedOptimizer
 
     return [
         ("torch._C._distributed_rpc.PyRRef.to_here", lambda: PyRRef.__dict__["to_here"], None),
@@ -77,12 +76,18 @@ def _traffic_expectations() -> list[Expectation]:
         ("torch._C._distributed_rpc.PyRRef.owner_name", lambda: PyRRef.owner_name, None),
         ("torch.distributed.autograd.backward", lambda: dist_autograd.backward, None),
         ("torch.distributed.autograd._retrieve_context", lambda: dist_autograd._retrieve_context, None),
-        ("torch.distributed.optim.DistributedOptimizer.step", lambda: DistributedOptimizer.step,
-         ("self", "context_id")),
     ]
 
 
-_GROUPS = {"rpc": _rpc_expectations, "profiler": _profiler_expectations, "traffic": _traffic_expectations}
+def _optimizer_expectations() -> list[Expectation]:
+    from torch.distributed.optim import DistributedOptimizer  # only once the job has imported it
+
+    return [("torch.distributed.optim.DistributedOptimizer.step", lambda: DistributedOptimizer.step,
+             ("self", "context_id"))]
+
+
+_GROUPS = {"rpc": _rpc_expectations, "profiler": _profiler_expectations, "traffic": _traffic_expectations,
+           "optimizer": _optimizer_expectations}
 
 
 def _same(a: Any, b: Any) -> Any:
@@ -115,7 +120,7 @@ def _problem(getter: Callable[[], Any], parameters: tuple[str, ...] | None) -> s
 
 
 def check(group: str, expectations: list[Expectation] | None = None) -> bool:
-    """True if every object of `group` ("rpc", "profiler", "traffic") is as the hooks expect; else warns once."""
+    """True if every object of `group` (rpc, profiler, traffic, optimizer) is as the hooks expect; else warns once."""
     try:
         if expectations is None:
             expectations = _GROUPS[group]()
@@ -134,7 +139,8 @@ TESTED = "tested with torch 2.13.0 and 2.14.1"
 _CONSEQUENCE = {
     "rpc": "Nothing of torch is patched; torch RPC runs uninstrumented.",
     "profiler": "torch's profiler is left unpatched and profiler events are off; spans and metrics go on.",
-    "traffic": "RRef.to_here, dist_autograd.backward and DistributedOptimizer.step are left unpatched (unseen).",
+    "traffic": "RRef.to_here and dist_autograd.backward are left unpatched (unseen).",
+    "optimizer": "DistributedOptimizer.step is left unpatched (unseen).",
 }
 
 
