@@ -1,29 +1,42 @@
-"""Overhead of rpc_observe on torch.distributed.rpc (issue 6).
+"""Overhead of rpc_observe on torch.distributed.rpc (issues 6 and 7): latency, CPU per call, throughput, saturation.
 
-    python benchmarks/overhead.py            # full run (~10-15 min): latency rounds, serialization,
-                                             # start-up and memory
-    python benchmarks/overhead.py --quick    # < 2 min: fewer rounds and calls, no memory section
-    python benchmarks/overhead.py --memory   # only the memory section
-    python benchmarks/overhead.py --profile  # where (c)/(d) spend time: /proc counters, in-situ self times,
-                                             # perf and py-spy where found, cProfile
+    python benchmarks/overhead.py                    # full run (~25 min): latency/throughput rounds, server
+                                                     # saturation, serialization, memory, start-up
+    python benchmarks/overhead.py --quick            # < 5 min: fewer rounds and calls, no memory section
+    python benchmarks/overhead.py --saturation-only  # only the server-saturation section (~4 min; with --quick ~2)
+    python benchmarks/overhead.py --memory           # only the memory section
+    python benchmarks/overhead.py --profile          # where (c)/(d) spend time: /proc counters, in-situ self
+                                                     # times, perf and py-spy where found, cProfile
 
-Configurations, each a pair of worker processes (worker0 calls, worker1 serves) on
-127.0.0.1 TensorPipe, all started once and kept alive, driven from here over stdin /
-a JSON answer pipe, measured one pair at a time and interleaved round by round:
+Configurations, each a pair of worker processes (worker0 calls, worker1 serves) on 127.0.0.1
+TensorPipe (`uv` transport, `basic` channel), driven from here over stdin / a JSON answer pipe,
+measured one pair at a time (the others SIGSTOPped) and interleaved block by block:
 
   a  torch RPC, rpc_observe not imported: `python -S`, site-packages appended by hand
   b  rpc_observe installed, RPC_OBSERVE unset (nothing patched)
   c  metrics only: RPC_OBSERVE=1 OTEL_TRACES_EXPORTER=none RPC_OBSERVE_PROFILER_EVENTS=0
   d  metrics + spans (100% sampled, file exporter) + profiler events: RPC_OBSERVE=1
   e  (d) with a torch.profiler session (CPU) active on the caller around each measurement
+  h  the user's alternative, no rpc_observe: hand-written OpenTelemetry SDK spans (client span around
+     the call, server span in the UDF, context in the kwargs via propagate.inject/extract, batch
+     processor, OTLP-JSON-lines file exporter) and a prometheus_client Histogram on each side
+  l  (reference) (a) with torch's legacy profiler (torch.autograd.profiler_legacy.profile(), which
+     turns on torch's own RPC profiling) around each measurement on the caller
+  a2 a second (a): the A/A control, the noise floor of every ratio
   ap (reference, --profiler-baseline) (a) with the same torch.profiler session as (e)
 
-Ratios to (a) are computed per round (same round) and then the median is taken.
-Results go to benchmarks/results/overhead-<date>[-quick|-memory|-profile].json.
+Every round starts fresh pairs (in a rotated order) and shuts them down at its end (--keep-pairs:
+one set of pairs for all rounds, as before). CPU per call is utime+stime of every process of the
+pair from /proc over the measured calls, so work moved to background threads is counted. The
+saturation section runs groups of 4 client processes x 4 threads against one server per config
+(a, c, d, h, a2). Ratios to (a) are computed per round (same round) and then the median is taken.
+Results go to benchmarks/results/overhead-<date>[-quick|-saturation|-memory|-profile].json, with
+the git commit, a hash of the rpc_observe/ working copy per round, and the command.
 
 This file is the command line and the driver; the parts are in benchmarks/bench/ (pairs:
-configurations and worker processes, sections: what is measured, stats, report: tables and
-the result file, profiling: --profile). The worker process is benchmarks/_worker.py.
+configurations and worker processes, sections: what is measured, procstat: /proc CPU of processes
+and threads, stats, report: tables and the result file, profiling: --profile). The worker process
+is benchmarks/_worker.py.
 """
 
 from __future__ import annotations
@@ -37,14 +50,17 @@ import tempfile
 import time
 from typing import Any
 
-from bench import profiling, report, sections
-from bench.pairs import ENVS, LABELS, Pair, configs_for, start_pairs
+from bench import profiling, report, sections, stats
+from bench.pairs import ENVS, LABELS, SAT_CONFIGS, configs_for, shutdown_all, start_pairs
 from bench.report import show
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="< 2 minutes: fewer rounds and calls, no memory section")
+    ap.add_argument("--quick", action="store_true",
+                    help="< 5 minutes: fewer rounds and calls, no memory or serialization section")
+    ap.add_argument("--saturation-only", action="store_true",
+                    help="only the server-saturation section (with --quick: its quick parameters)")
     ap.add_argument("--memory", action="store_true", help="only the memory section (pairs a and d)")
     ap.add_argument("--profile", action="store_true",
                     help="only profile configs (c) and (d) against (a): /proc counters, in-situ self times, perf "
@@ -56,16 +72,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profiler-baseline", action="store_true",
                     help="also run (ap): (a) with the same torch.profiler session as (e), to separate the "
                          "profiler's own cost from the add-on's")
+    ap.add_argument("--keep-pairs", action="store_true",
+                    help="start the pairs once and keep them for every round (default: fresh pairs every round, "
+                         "so no pair's own layout biases one config for the whole run)")
     ap.add_argument("--fixed-order", action="store_true",
                     help="measure the configs in the same order every round (default: the order rotates by one "
                          "each round, so no config is always first)")
     ap.add_argument("--no-control", action="store_true", help="leave out (a2), the second (a) pair (A/A control)")
     ap.add_argument("--transport", choices=("uv", "shm", "default"), default="uv",
                     help="TensorPipe transport (default uv: TCP on 127.0.0.1; see BENCHMARKS.md for why not shm)")
+    ap.add_argument("--channels", default="basic",
+                    help="TensorPipe channels, comma-separated, or 'default' for TensorPipe's own choice "
+                         "(default basic: tensors inline over the transport)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--noop-calls", type=int)
     ap.add_argument("--big-calls", type=int)
     ap.add_argument("--thr-seconds", type=float)
+    ap.add_argument("--sat-rounds", type=int)
+    ap.add_argument("--sat-seconds", type=float, help="measured seconds per saturation block")
+    ap.add_argument("--no-saturation", action="store_true")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-startup", action="store_true")
     ap.add_argument("--no-serialization", action="store_true")
@@ -73,77 +98,120 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def span_files(tmp: str, configs: list[str]) -> dict[str, dict[str, int]]:
-    """Sanity: what the instrumented workers exported."""
+def span_files(tmp: str) -> dict[str, dict[str, int]]:
+    """Sanity: what the instrumented and the hand-written workers exported (files, lines, spans)."""
     out = {}
-    for c in configs:
-        out_dir = os.path.join(tmp, f"out-{c}", "spans")
-        if os.path.isdir(out_dir):
-            n_lines = 0
+    for entry in sorted(os.listdir(tmp)):
+        out_dir = os.path.join(tmp, entry, "spans")
+        if entry.startswith("out-") and os.path.isdir(out_dir):
+            n_lines = n_spans = 0
             for name in os.listdir(out_dir):
-                with open(os.path.join(out_dir, name)) as f:
-                    n_lines += sum(1 for _ in f)
-            out[c] = {"files": len(os.listdir(out_dir)), "export_lines": n_lines}
+                with open(os.path.join(out_dir, name), "rb") as f:
+                    for line in f:
+                        n_lines += 1
+                        n_spans += line.count(b'"spanId"')
+            out[entry[4:]] = {"files": len(os.listdir(out_dir)), "export_lines": n_lines, "spans": n_spans}
     return out
+
+
+def cpu_comparisons(result: dict[str, Any]) -> None:
+    """Added CPU per call over plain torch per config, and (d)'s against (h)'s, into `result`."""
+    per_round: dict[str, dict[str, list[float]]] = {}
+    for section in ("rounds", "saturation"):
+        for c, metrics in result.get(section, {}).get("per_round", {}).items():
+            per_round.setdefault(c, {}).update(metrics)
+    added: dict[str, dict[str, Any]] = {}
+    versus: dict[str, dict[str, Any]] = {}
+    for m in sections.CPU_METRICS:
+        configs = [c for c in per_round if m in per_round[c]]
+        if "a" not in configs:
+            continue
+        sub = {c: per_round[c] for c in configs}
+        added[m] = {c: stats.summary(v) for c, v in stats.added(sub, configs, m, pooled_base=True).items()
+                    if c not in ("a", "a2")}
+        if "d" in configs and "h" in configs:
+            versus[m] = {"a": stats.versus(sub, m), "pooled": stats.versus(sub, m, pooled_base=True)}
+    result["added_cpu"], result["vs_handwritten"] = added, versus
 
 
 def run(args: argparse.Namespace, mode: str, configs: list[str], p: dict[str, Any], result: dict[str, Any],
         tmp: str) -> list[str]:
-    """Starts the pairs and runs the mode's sections into `result`; returns the sections' tables."""
+    """Runs the mode's sections into `result`; returns the sections' tables."""
     texts = []
-    pairs: dict[str, Pair] = {}
-    try:
-        pairs = start_pairs(configs, tmp, args.transport)
-        result["workers"] = {c: {"caller": pr.caller.ready, "callee": pr.callee.ready} for c, pr in pairs.items()}
-        for pr in pairs.values():  # one-time warm-up of every pair, then all paused
-            pr.caller.call("noop", n=300, warmup=0)
-            pr.caller.call("big", n=5, warmup=0)
-            pr.caller.call("thr", threads=8, seconds=0.3)
-            pr.pause()
-        if mode in ("quick", "full"):
-            result["rounds"] = sections.run_rounds(pairs, configs, p, not args.fixed_order)
-            texts.append(show(report.rounds_table(result["rounds"], configs)))
-            if not args.no_serialization:
-                result["serialization"] = sections.run_serialization(pairs, p)
-                texts.append(show(report.serialization_table(result["serialization"])))
-        if mode == "full" and not args.no_memory:  # fresh (a) and (d) pairs: peak RSS without the rounds' history
-            result["shutdown"] = {c: pr.shutdown() for c, pr in pairs.items()}
-            pairs = start_pairs(["a", "d"], tmp, args.transport)
+    rotate, transport, channels = not args.fixed_order, args.transport, args.channels
+    if mode in ("quick", "full"):
+        result["rounds"] = res = sections.run_rounds(configs, p, rotate, not args.keep_pairs, tmp, transport,
+                                                     channels, report.code_state)
+        texts.append(show(report.rounds_table(res, configs)))
+        shown = [c for c in ("a", "a2", "b", "c", "d", "e", "h") if c in configs]
+        texts.append(show(report.threads_table("Callee (server) CPU per call by thread, 8-thread rpc_async loop",
+                                               {c: res["threads"][c]["thr"] for c in shown}, shown)))
+        texts.append(show(report.threads_table("Callee (server) CPU per call by thread, no-op rpc_sync loop",
+                                               {c: res["threads"][c]["noop"] for c in shown}, shown)))
+    if mode in ("quick", "full", "saturation") and not args.no_saturation:
+        sat_configs = SAT_CONFIGS + ([] if args.no_control else ["a2"])
+        result["saturation"] = res = sections.run_saturation(sat_configs, p, rotate, tmp, transport, channels,
+                                                             report.code_state)
+        texts.append(show(report.saturation_table(res, sat_configs)))
+        texts.append(show(report.threads_table("Saturation server CPU per call by thread", res["threads"],
+                                               sat_configs)))
+    if "rounds" in result or "saturation" in result:
+        cpu_comparisons(result)
+        texts.append(show(report.added_table(result)))
+    if mode == "full" and not args.no_serialization:
+        pairs = start_pairs([c for c in ("a", "a2", "c") if c in configs], tmp, transport, channels, verbose=False)
+        try:
+            sections.warm_up(pairs)
+            result["serialization"] = sections.run_serialization(pairs, p)
+        finally:
+            shutdown_all(list(pairs.values()))
+        texts.append(show(report.serialization_table(result["serialization"])))
+    if mode == "memory" or (mode == "full" and not args.no_memory):
+        pairs = start_pairs(["a", "d"], tmp, transport, channels, verbose=False)
+        try:
             for pr in pairs.values():
                 pr.pause()
-        if mode == "memory" or (mode == "full" and not args.no_memory):
             result["memory"] = sections.run_memory(pairs)
-            texts.append(show(report.memory_table(result["memory"])))
-        if mode == "profile":
+        finally:
+            result["shutdown_memory"] = shutdown_all(list(pairs.values()))
+        texts.append(show(report.memory_table(result["memory"])))
+    if mode == "profile":
+        pairs = start_pairs(configs, tmp, transport, channels)
+        try:
+            sections.warm_up(pairs)
             result["profile"], text = profiling.run_profile(pairs, args.py_spy, tmp, args.profile_seconds)
-            texts.append(text)
-        spans = span_files(tmp, configs)
-        if spans:
-            result["span_files"] = spans
-        result.setdefault("shutdown", {}).update({c: pr.shutdown() for c, pr in pairs.items()})
-        pairs = {}
-        if mode in ("quick", "full") and not args.no_startup:
-            result["startup"] = sections.run_startup(p["startup_runs"], p["torch_import_runs"])
-            texts.append(show(report.startup_table(result["startup"])))
-    finally:
-        for pr in pairs.values():
-            pr.kill()
+        finally:
+            shutdown_all(list(pairs.values()))
+        texts.append(text)
+    spans = span_files(tmp)
+    if spans:
+        result["span_files"] = spans
+    if mode in ("quick", "full") and not args.no_startup:
+        result["startup"] = sections.run_startup(p["startup_runs"], p["torch_import_runs"])
+        texts.append(show(report.startup_table(result["startup"])))
+    if "rounds" in result or "saturation" in result:
+        texts.append(show(report.targets_table(result)))
     return texts
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     p = dict(sections.QUICK if args.quick else sections.FULL)
-    for k in ("rounds", "noop_calls", "big_calls", "thr_seconds"):
+    for k in ("rounds", "noop_calls", "big_calls", "thr_seconds", "sat_rounds", "sat_seconds"):
         if getattr(args, k) is not None:
             p[k] = getattr(args, k)
-    mode = "memory" if args.memory else "profile" if args.profile else "quick" if args.quick else "full"
+    mode = ("memory" if args.memory else "profile" if args.profile else "saturation" if args.saturation_only
+            else "quick" if args.quick else "full")
+    if mode == "quick":
+        args.no_serialization = True
     configs = configs_for(mode, control=not args.no_control, profiler_baseline=args.profiler_baseline)
     started = time.perf_counter()
     stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     result = report.new_result(mode, stamp, sys.argv if argv is None else [sys.argv[0], *argv])
     result.update({"params": p, "configs": {c: LABELS[c] for c in configs}, "env": {c: ENVS[c] for c in configs},
-                   "transport": args.transport, "order": "fixed" if args.fixed_order else "rotating"})
+                   "transport": args.transport, "channels": args.channels,
+                   "order": "fixed" if args.fixed_order else "rotating",
+                   "pairs": "kept for all rounds" if args.keep_pairs else "fresh every round"})
     tmp = tempfile.mkdtemp(prefix="rpc_observe_bench_")
     try:
         texts = run(args, mode, configs, p, result, tmp)
@@ -151,10 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     result["elapsed_s"] = time.perf_counter() - started
     result["machine"]["loadavg_end"] = report.loadavg()
+    result["git"]["code_at_end"] = report.code_state()
+    if result["git"]["code_at_end"] != result["git"]["code_at_start"]:
+        print(f"NOTE: rpc_observe changed during the run: {result['git']['code_at_start']} -> "
+              f"{result['git']['code_at_end']} (each round's state: rounds_info of the result's sections)", flush=True)
     result["text"] = "\n\n".join(texts)
     path = report.result_path(args.out, stamp, mode)
     report.write_result(result, path)
-    print(f"\n{mode} run took {result['elapsed_s']:.0f}s; results: {os.path.relpath(path, os.getcwd())}", flush=True)
+    print(f"\n{mode} run took {result['elapsed_s']:.0f}s at {result['git']['commit_short']} "
+          f"(rpc_observe tree {result['git']['code_at_start']['rpc_observe_tree_sha']}); "
+          f"results: {os.path.relpath(path, os.getcwd())}", flush=True)
     return 0
 
 

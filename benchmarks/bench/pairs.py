@@ -1,7 +1,8 @@
-"""The configurations and their worker processes: one caller/callee pair of benchmarks/_worker.py each.
+"""The configurations and their worker processes: one caller/callee pair of benchmarks/_worker.py each,
+or (the saturation section) a group of one server and four clients.
 
-Each pair runs on a fresh file:// rendezvous, is driven over the workers' stdin (JSON commands)
-and a JSON answer pipe, and is kept SIGSTOPped whenever it is not the pair being measured.
+Each pair or group runs on a fresh file:// rendezvous, is driven over the workers' stdin (JSON
+commands) and a JSON answer pipe, and is kept SIGSTOPped whenever it is not the one being measured.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import sys
 import time
 from typing import Any
 
+from bench.procstat import TICK_US, cpu_us
+
+__all__ = ["cpu_us", "Pair", "Worker", "start_pairs", "shutdown_all", "kill_all", "proc_counters"]
+
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_worker.py")
 
 LABELS = {
@@ -25,6 +30,8 @@ LABELS = {
     "d": "(d) metrics+spans+profiler events",
     "e": "(e) (d) + torch.profiler on caller",
     "ap": "(ap) (a) + torch.profiler on caller [ref]",
+    "h": "(h) hand-written OTel SDK + prometheus",
+    "l": "(l) (a) + torch legacy profiler [ref]",
 }
 ON = {"RPC_OBSERVE": "1"}
 ENVS: dict[str, dict[str, str]] = {
@@ -35,21 +42,27 @@ ENVS: dict[str, dict[str, str]] = {
     "c": {**ON, "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0"},
     "d": dict(ON),
     "e": dict(ON),
+    "h": {},  # rpc_observe is not imported; the worker sets up the OpenTelemetry SDK itself
+    "l": {},
 }
-NO_SITE = ("a", "a2", "ap")  # started with `python -S`
+NO_SITE = ("a", "a2", "ap", "h", "l")  # started with `python -S`
 for _c in ("c", "d"):  # --profile: (c), (d) with the worker's in-situ self-timer (BENCH_SELF_TIME)
     LABELS[_c + "_t"] = LABELS[_c] + " + self-timer"
     ENVS[_c + "_t"] = {**ENVS[_c], "BENCH_SELF_TIME": "1"}
 EXTRA_ENV: dict[str, dict[str, str]] = {}  # per config, for diagnostics (edit by hand)
 
 
+SAT_CONFIGS = ["a", "c", "d", "h"]  # the saturation section's groups (+ "a2" with the A/A control)
+
+
 def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False) -> list[str]:
-    """The configurations a mode runs."""
+    """The configurations a mode's latency/throughput rounds run."""
     if mode == "memory":
         return ["a", "d"]
     if mode == "profile":
         return ["a", "c", "d", "c_t", "d_t"]
-    return ["a", "b", "c", "d", "e"] + (["a2"] if control else []) + (["ap"] if profiler_baseline else [])
+    return (["a", "b", "c", "d", "e", "h", "l"] + (["a2"] if control else [])
+            + (["ap"] if profiler_baseline else []))
 
 
 def clean_env() -> dict[str, str]:
@@ -73,17 +86,20 @@ def tail(path: str, n: int = 30) -> str:
 
 
 class Worker:
-    def __init__(self, config: str, rank: int, init_file: str, tmp: str, transport: str) -> None:
+    def __init__(self, config: str, rank: int, init_file: str, tmp: str, transport: str, channels: str = "default",
+                 world: int = 2) -> None:
         env = clean_env()
         env.update(ENVS[config])
         env.update(EXTRA_ENV.get(config, {}))
         env["RPC_OBSERVE_DIR"] = os.path.join(tmp, f"out-{config}")
         env["BENCH_SITE_DIRS"] = os.pathsep.join(site_dirs())
         env["BENCH_TRANSPORT"] = transport
+        env["BENCH_CHANNELS"] = channels
+        env["BENCH_WORLD"] = str(world)
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = [sys.executable] + (["-S"] if config in NO_SITE else []) + [WORKER, config, str(rank), init_file]
         self.config, self.rank = config, rank
-        self.log_path = os.path.join(tmp, f"worker-{config}-{rank}-{os.path.basename(init_file)}.log")
+        self.log_path = os.path.join(tmp, f"worker-{os.path.basename(init_file)}-{rank}.log")
         self._log = open(self.log_path, "w")  # open as long as the process runs
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      env=env, text=True, bufsize=1, cwd=tmp)
@@ -112,30 +128,55 @@ class Worker:
     def pid(self) -> int:
         return self.proc.pid
 
+    def close(self) -> None:
+        """Kills the process if it still runs, reaps it and closes its pipes and log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout, self._log):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+
 
 class Pair:
+    """The processes of one configuration: a caller (rank 0) and a callee (rank 1), or with
+    `world` > 2 a saturation group: one server (rank 1) and `world` - 1 clients (the other ranks)."""
+
     started = 0
 
-    def __init__(self, config: str, tmp: str, transport: str) -> None:
+    def __init__(self, config: str, tmp: str, transport: str, channels: str = "default", world: int = 2) -> None:
         Pair.started += 1
-        init_file = os.path.join(tmp, f"init-{config}-{Pair.started}")  # a fresh file:// rendezvous
+        kind = "pair" if world == 2 else f"group{world}"
+        init_file = os.path.join(tmp, f"init-{kind}-{config}-{Pair.started}")  # a fresh file:// rendezvous
         self.config = config
-        self.caller = Worker(config, 0, init_file, tmp, transport)
-        self.callee = Worker(config, 1, init_file, tmp, transport)
+        self.workers = [Worker(config, r, init_file, tmp, transport, channels, world) for r in range(world)]
+        self.caller, self.callee = self.workers[0], self.workers[1]
+        self.server = self.callee
+        self.clients = [w for w in self.workers if w.rank != 1]
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
 
     def wait_ready(self) -> None:
-        for w in (self.caller, self.callee):
+        for w in self.workers:
             w.ready = w.recv()
 
     # TensorPipe's shm transport has a reactor thread (TP_SHM_reactor) that busy-polls:
     # ~50% of a core per process even when no RPC is in flight. Ten idle workers would
     # fill both cores, so every pair but the one being measured is kept SIGSTOPped.
     def pause(self) -> None:
-        for w in (self.caller, self.callee):
+        for w in self.workers:
             os.kill(w.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        for w in (self.caller, self.callee):
+        for w in self.workers:
             os.kill(w.pid, signal.SIGCONT)
 
     def call(self, cmd: str, **kwargs: Any) -> Any:
@@ -147,51 +188,67 @@ class Pair:
             self.pause()
 
     def shutdown(self) -> dict[int, dict[str, Any]]:
-        self.resume()
-        for w in (self.caller, self.callee):
-            w.send("shutdown")
-        out = {}
-        for w in (self.caller, self.callee):
-            try:
-                out[w.rank] = w.recv()
-                w.proc.wait(30)
-            except Exception as e:  # noqa: BLE001
-                out[w.rank] = {"error": str(e)}
-                w.proc.kill()
-        return out
+        return shutdown_all([self])[self.config]
 
     def kill(self) -> None:
-        for w in (self.caller, self.callee):
-            if w.proc.poll() is None:
-                w.proc.kill()
+        for w in self.workers:
+            w.close()
 
 
-def start_pairs(configs: list[str], tmp: str, transport: str) -> dict[str, Pair]:
+def kill_all(pairs: list[Pair]) -> None:
+    """Ends the pairs without rpc.shutdown() (a round's pairs are not needed afterwards: saves ~1 s per pair)."""
+    for pr in pairs:
+        pr.kill()
+
+
+def shutdown_all(pairs: list[Pair]) -> dict[str, dict[int, dict[str, Any]]]:
+    """rpc.shutdown() in every worker of every pair, all at once (it is collective per pair); a worker
+    that does not answer is killed."""
+    for pr in pairs:
+        pr.resume()
+    for pr in pairs:
+        for w in pr.workers:
+            w.send("shutdown")
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for pr in pairs:
+        res = out.setdefault(pr.config, {})
+        for w in pr.workers:
+            try:
+                res[w.rank] = w.recv()
+                w.proc.wait(30)
+            except Exception as e:  # noqa: BLE001
+                res[w.rank] = {"error": str(e)}
+            w.close()
+    return out
+
+
+def start_pairs(configs: list[str], tmp: str, transport: str, channels: str = "default", world: int = 2,
+                verbose: bool = True) -> dict[str, Pair]:
+    """One pair (or group of `world`) per config, all started at once, in the order given."""
     t0 = time.perf_counter()
-    pairs = {c: Pair(c, tmp, transport) for c in configs}
-    for p in pairs.values():
-        p.wait_ready()
-    print(f"started {2 * len(pairs)} worker processes in {time.perf_counter() - t0:.1f}s", flush=True)
-    for c, p in pairs.items():
-        st = p.caller.ready["state"]
-        print(f"  {c:>2}: pids {p.caller.pid}/{p.callee.pid} rpc_observe imported={st['rpc_observe_imported']} "
-              f"patched={st['invoke_rpc_patched']} no_site={st['no_site']} runtime={st.get('runtime')}", flush=True)
+    pairs = {c: Pair(c, tmp, transport, channels, world) for c in configs}
+    try:
+        for p in pairs.values():
+            p.wait_ready()
+    except Exception:
+        for p in pairs.values():
+            p.kill()
+        raise
+    n = sum(len(p.workers) for p in pairs.values())
+    print(f"started {n} worker processes in {time.perf_counter() - t0:.1f}s", flush=True)
+    if verbose:
+        for c, p in pairs.items():
+            st = p.caller.ready["state"]
+            print(f"  {c:>2}: pids {'/'.join(map(str, p.pids))} rpc_observe imported={st['rpc_observe_imported']} "
+                  f"patched={st['invoke_rpc_patched']} no_site={st['no_site']} "
+                  f"otel_sdk={st['opentelemetry_sdk_imported']} runtime={st.get('runtime')}", flush=True)
     return pairs
 
 
 # -- /proc counters of a worker ----------------------------------------------------------------
-_TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
-
-
 def _stat_fields(pid: int) -> list[str]:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()
-
-
-def cpu_us(pid: int) -> float:
-    """utime + stime of a process (all its threads, live and exited), in microseconds."""
-    fields = _stat_fields(pid)
-    return (int(fields[11]) + int(fields[12])) * _TICK_US
 
 
 def proc_counters(pid: int) -> dict[str, float]:
@@ -208,4 +265,4 @@ def proc_counters(pid: int) -> dict[str, float]:
         except OSError:
             pass
     fields = _stat_fields(pid)
-    return {"vcs": vcs, "nvcs": nvcs, "user_us": int(fields[11]) * _TICK_US, "sys_us": int(fields[12]) * _TICK_US}
+    return {"vcs": vcs, "nvcs": nvcs, "user_us": int(fields[11]) * TICK_US, "sys_us": int(fields[12]) * TICK_US}

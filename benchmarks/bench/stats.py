@@ -79,3 +79,24 @@ def evaluate_targets(targets: list[tuple[str, str, str, float]], configs: list[s
                     "a2_iqr": [noise["q1"], noise["q3"]] if noise else None,
                     "pass": passes(r["median"], op, limit)})
     return out
+
+
+def added(per_round: dict[str, dict[str, list[float]]], configs: list[str], metric: str,
+          pooled_base: bool = False) -> dict[str, list[float]]:
+    """Per config, per round: the metric minus the baseline of the same round ((a), or the mean of
+    (a) and (a2) with `pooled_base` when (a2) ran)."""
+    a = per_round["a"][metric]
+    use_a2 = pooled_base and metric in per_round.get("a2", {})
+    base = pooled(a, per_round["a2"][metric]) if use_a2 else a
+    return {c: [x - y for x, y in zip(per_round[c][metric], base, strict=True)] for c in configs if c in per_round}
+
+
+def versus(per_round: dict[str, dict[str, list[float]]], metric: str, num: str = "d", den: str = "h",
+           pooled_base: bool = False) -> dict[str, Any]:
+    """`num`'s added value over the baseline divided by `den`'s, per round (then summarised), and the
+    ratio of the two medians of the added values (steadier when `den`'s added value is small)."""
+    add = added(per_round, [num, den], metric, pooled_base)
+    per = [x / y if y else float("nan") for x, y in zip(add[num], add[den], strict=True)]
+    return {"per_round": per, "summary": summary(per), "added_num": summary(add[num]),
+            "added_den": summary(add[den]),
+            "ratio_of_medians": statistics.median(add[num]) / statistics.median(add[den])}
