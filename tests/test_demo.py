@@ -19,7 +19,8 @@ def test_demo_shows_endpoints_summary_matrix_and_artifacts(tmp_path):
     for worker in ("ps", "trainer1", "trainer2"):
         assert f"{worker}" in text and "/metrics" in text
     assert "100%" in text  # the progress bar finished
-    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("  ") and len(line.split()) == 8}
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.startswith("  ") and len(line.split()) == 8}
     assert int(rows["ParameterServer.update_and_fetch"][1]) > 10
     assert int(rows["save_checkpoint"][2]) >= 2  # the failing call, at least once per trainer
     assert rows["store_activations"][7] == "45%"  # the view of a large tensor

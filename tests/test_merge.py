@@ -1,4 +1,4 @@
-"""Tests for ``rpc-observe merge`` (rpc_observe.merge / rpc_observe._clock).
+"""Tests for ``rpc-observe merge`` (rpc_observe.merge, its clock estimate in rpc_observe.merge.clock).
 
 Inputs are built in tmp_path: real torch.profiler Chrome traces exported
 in-process (then re-homed to fake worker pids, skewed, tagged), and OTLP JSON
@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 
 from rpc_observe import merge as M
-from rpc_observe._clock import RpcPair, estimate_offsets
+from rpc_observe.merge import spanfile
+from rpc_observe.merge.clock import RpcPair, estimate_offsets
+from rpc_observe.merge.files import span_streams
+from rpc_observe.merge.rpc import FLOW_CAT, SPAN_CAT
 
 RUN = "run-abc"
 SKEW_US = 37_000.0  # worker1's clock runs 37 ms ahead
@@ -95,7 +98,8 @@ def make_rpcs(t0_ns: int, n: int = 60, seed: int = 5) -> list[dict]:
         t += rng.randint(100_000, 1_500_000)
         net1, net2 = rng.randint(40_000, 400_000), rng.randint(40_000, 400_000)
         work = rng.randint(200_000, 3_000_000)
-        trace_id, cid, sid = f"{rng.getrandbits(128):032x}", f"{rng.getrandbits(64):016x}", f"{rng.getrandbits(64):016x}"
+        trace_id = f"{rng.getrandbits(128):032x}"
+        cid, sid = f"{rng.getrandbits(64):016x}", f"{rng.getrandbits(64):016x}"
         method = f"fn{i % 3}"
         attrs = [_kv("rpc.system", "torch_rpc"), _kv("rpc.method", method), _kv("torch.rpc.src", src),
                  _kv("torch.rpc.dst", dst), _kv("torch.rpc.exec_mode", "async" if i % 2 else "sync")]
@@ -171,7 +175,7 @@ def run_main(capsys, *argv) -> tuple[int, str]:
 
 def span_slices(doc: dict) -> dict[str, dict]:
     return {e["args"]["span_id"]: e for e in doc["traceEvents"]
-            if e.get("cat") == M.SPAN_CAT and e.get("ph") == "X" and "kind" in e.get("args", {})}
+            if e.get("cat") == SPAN_CAT and e.get("ph") == "X" and "kind" in e.get("args", {})}
 
 
 def process_names(doc: dict) -> dict[int, str]:
@@ -196,6 +200,8 @@ def test_merge_aligns_workers_and_links_rpcs(tmp_path, raw_trace, capsys):
     # at an unknown key), and no event may carry a top-level array (tokenizer error)
     assert list(doc) == ["displayTimeUnit", "traceEvents", "rpc_observe_merge"]
     assert doc["displayTimeUnit"] == "ms"
+    assert doc["rpc_observe_merge"]["events"] == len(doc["traceEvents"]) and doc["rpc_observe_merge"]["cut"] is None
+    assert "cut:" not in err
     assert not [e for e in doc["traceEvents"] if any(isinstance(v, list) for v in e.values())]
     summ = doc["rpc_observe_merge"]
     ev = doc["traceEvents"]
@@ -255,13 +261,13 @@ def test_merge_aligns_workers_and_links_rpcs(tmp_path, raw_trace, capsys):
             flows[(e["cat"], e["id"])][e["ph"]] += 1
     assert flows and all(c == Counter({"s": 1, "f": 1}) for c in flows.values())
     assert any(cat == "fwdbwd" for cat, _ in flows)
-    rpc_flows = [e for e in ev if e.get("cat") == M.FLOW_CAT]
+    rpc_flows = [e for e in ev if e.get("cat") == FLOW_CAT]
     assert len(rpc_flows) == 4 * len(run["rpcs"]) and summ["rpc"]["flows"] == 2 * len(run["rpcs"])
     assert all(e["bp"] == "e" for e in rpc_flows if e["ph"] == "f")
     # ...and bind to the RPC slices: same pid/tid, ts inside the slice (and inside a marker)
     spans_by_thread = defaultdict(list)
     for e in ev:
-        if e.get("cat") == M.SPAN_CAT and e.get("ph") == "X":
+        if e.get("cat") == SPAN_CAT and e.get("ph") == "X":
             spans_by_thread[(e["pid"], e["tid"])].append(e)
     by_id = defaultdict(dict)
     for f in rpc_flows:
@@ -425,3 +431,196 @@ def test_hta_loads_traces(tmp_path, raw_trace):
     # and the same files merge
     result = M.merge([d])
     assert result.status == 0 and result.workers == WORKERS
+
+
+# ------------------------------------------- span streams and limits ---
+
+def local_spans(run: dict, skew: dict[str, int] | None = None) -> dict[str, tuple[int, int]]:
+    """span id -> (start, end) on its worker's own clock (worker1 is skewed), as in the span files."""
+    skew = {"worker1": int(SKEW_US * 1000)} if skew is None else skew
+    return {sp["spanId"]: (sp["start"] + skew.get(sp["worker"], 0), sp["end"] + skew.get(sp["worker"], 0))
+            for pair in run["rpcs"] for sp in pair}
+
+
+def rotate(path: Path, parts: int, gz_oldest: bool = False) -> list[Path]:
+    """Split a span file as logrotate would have: ``path.N`` (oldest) ... ``path.1``, ``path`` (newest)."""
+    lines = path.read_text().splitlines(keepends=True)
+    size = -(-len(lines) // parts)
+    chunks = [lines[i:i + size] for i in range(0, len(lines), size)]
+    out = []
+    for age, chunk in zip(range(len(chunks) - 1, -1, -1), chunks):
+        p = path if age == 0 else path.with_name(f"{path.name}.{age}")
+        data = "".join(chunk).encode()
+        if gz_oldest and age and age == len(chunks) - 1:
+            p, data = p.with_name(p.name + ".gz"), gzip.compress(data)
+        p.write_bytes(data)
+        out.append(p)
+    return out
+
+
+def test_span_streams_group_rotated_files_oldest_first():
+    names = ["s/w-1.jsonl", "s/w-1.jsonl.10", "s/w-1.jsonl.2", "s/w-1.jsonl.1.gz", "s/x-2.jsonl.gz", "t/w-1.jsonl"]
+    streams = [[p.as_posix() for p in s] for s in span_streams(map(Path, names))]
+    assert streams == [["s/w-1.jsonl.10", "s/w-1.jsonl.2", "s/w-1.jsonl.1.gz", "s/w-1.jsonl"],
+                       ["s/x-2.jsonl.gz"], ["t/w-1.jsonl"]]
+
+
+def test_rotated_span_files_are_read_as_one_stream(tmp_path, raw_trace, capsys):
+    """A worker's spans split over rotated files merge exactly as from one file."""
+    build_run(tmp_path / "whole", raw_trace)
+    build_run(tmp_path / "rotated", raw_trace)
+    spans = tmp_path / "rotated" / "spans"
+    w0 = rotate(spans / "worker0-41000.jsonl", 3, gz_oldest=True)
+    rotate(spans / "worker1-41001.jsonl", 2)
+    # worker2's current file is gone (rotated away, then the worker exited): its .2 and .1 remain
+    older, current = rotate(spans / "worker2-41002.jsonl", 2)
+    older.rename(spans / "worker2-41002.jsonl.2")
+    current.rename(spans / "worker2-41002.jsonl.1")
+    rc_whole, _ = run_main(capsys, tmp_path / "whole", "-o", tmp_path / "whole.json")
+    rc, err = run_main(capsys, tmp_path / "rotated", "-o", tmp_path / "rotated.json")
+    assert rc_whole == rc == 0, err
+    whole, rotated = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("whole", "rotated"))
+    for key in ("rpc", "offsets_us", "bounds_us", "workers"):
+        assert rotated["rpc_observe_merge"][key] == whole["rpc_observe_merge"][key], key
+    assert span_slices(rotated) == span_slices(whole)
+    listed = [Path(f).name for f in rotated["rpc_observe_merge"]["inputs"]["span_files"]]
+    assert listed[:3] == [p.name for p in w0] == ["worker0-41000.jsonl.2.gz", "worker0-41000.jsonl.1",
+                                                 "worker0-41000.jsonl"]
+    assert "worker2-41002.jsonl.2" in listed and "worker2-41002.jsonl.1" in listed
+
+    # an older file cut short is named in the report; the rest of the stream is read
+    older = spans / "worker1-41001.jsonl.1"
+    older.write_text(older.read_text() + '{"resourceSpans":[{"resou')
+    rc, err = run_main(capsys, tmp_path / "rotated", "-o", tmp_path / "again.json")
+    assert rc == 2
+    assert "partially read: worker1-41001.jsonl.1 line" in err and "truncated JSON" in err
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["rpc_observe_merge"]["rpc"] == whole["rpc_observe_merge"]["rpc"]
+
+
+def test_exporter_layout_read_by_text_as_by_json(tmp_path, monkeypatch, capsys):
+    """Span files written by rpc_observe's own exporter (read by text) merge as the same
+    spans written in another key order (read by json)."""
+    exporters = pytest.importorskip("rpc_observe.telemetry.exporters")
+    from rpc_observe.telemetry.tracing import SpanRecord
+
+    rpcs = make_rpcs(1_790_000_000_000_000_000, n=40)
+    per_worker = defaultdict(list)
+    for c, s in rpcs:
+        per_worker[c["worker"]].append(c)
+        per_worker[s["worker"]].append(s)
+    sites: dict[str, dict] = {}  # the exporter encodes a call site's attributes once: shared dicts
+    for w, spans in per_worker.items():
+        write_span_file(tmp_path / "json" / f"{w}-{OS_PIDS[w]}.jsonl", w, spans)
+        (tmp_path / "text").mkdir(exist_ok=True)
+        sink = exporters.OtlpJsonFileSink(str(tmp_path / "text" / f"{w}-{OS_PIDS[w]}.jsonl"), {
+            "service.name": "trainer", "torch.rpc.worker": w, "process.pid": OS_PIDS[w], "rpc_observe.run_id": RUN})
+        records = []
+        for sp in spans:
+            attrs = sites.setdefault(sp["name"], {kv["key"]: kv["value"]["stringValue"] for kv in sp["attributes"]})
+            rec = SpanRecord(sp["name"], sp["kind"], int(sp["traceId"], 16), int(sp["spanId"], 16),
+                             int(sp.get("parentSpanId", "0"), 16), True, True, attrs, sp["start"])
+            rec.end_ns = sp["end"]
+            if sp["status"]["code"] == 2:
+                rec.error_type, rec.error_message = "RuntimeError", "boom"
+            records.append(rec)
+        sink.export(records[:25])
+        sink.export(records[25:])
+        sink.shutdown()
+    decoded = []
+    real = spanfile.parse_span
+    monkeypatch.setattr(spanfile, "parse_span", lambda *a: decoded.append(a[0]) or real(*a))
+    by_json = M.merge([tmp_path / "json"])
+    n_json = len(decoded)
+    decoded.clear()
+    by_text = M.merge([tmp_path / "text"])
+    assert by_json.status == by_text.status == 0
+    assert n_json == 2 * len(rpcs) and len(decoded) == 2  # by text, but the failed call's two spans
+    a, b = span_slices(by_json.trace), span_slices(by_text.trace)
+    assert a.keys() == b.keys() and len(a) == 2 * len(rpcs)
+    for sid, ev in a.items():
+        if ev["args"]["status"] == "ERROR":  # the exporter adds error.type and its own message
+            assert b[sid]["args"]["status"] == "ERROR" and b[sid]["cname"] == "terrible"
+        else:
+            assert b[sid] == ev
+    for key in ("rpc", "offsets_us", "bounds_us"):
+        assert by_text.trace["rpc_observe_merge"][key] == by_json.trace["rpc_observe_merge"][key]
+
+
+def test_max_spans_keeps_the_newest_and_says_so(tmp_path, raw_trace, capsys):
+    run = build_run(tmp_path / "out", raw_trace)
+    times = local_spans(run)
+    out = tmp_path / "merged.json"
+    rc, err = run_main(capsys, tmp_path / "out", "-o", out, "--max-spans", "50", "-q")
+    assert rc == 0, err
+    cut = [ln for ln in err.splitlines() if "cut:" in ln]
+    assert cut == [f"rpc-observe merge: cut: left out {len(times) - 50} older span(s) beyond --max-spans 50; "
+                   "kept 50 span(s)"]
+    doc = json.loads(out.read_text())
+    summ = doc["rpc_observe_merge"]
+    assert summ["cut"]["spans_over_max"] == len(times) - 50 and summ["cut"]["max_spans"] == 50
+    assert summ["rpc"]["spans"] == summ["cut"]["spans_kept"] == 50
+    newest = sorted(times, key=lambda sid: times[sid][0])[-50:]  # the latest starts, each on its own clock
+    assert set(span_slices(doc)) == set(newest)
+    assert any(e.get("cat") == "cpu_op" for e in doc["traceEvents"])  # profiler events are not spans: all kept
+
+
+def test_since_until_window_cuts_spans_and_profiler_events(tmp_path, raw_trace, capsys):
+    # The RPCs come after the profiled block; worker1's clock is so far ahead that on it
+    # the profiled block falls inside the window, which starts 20 ms into the RPCs.
+    xs = [e for e in raw_trace["traceEvents"] if e.get("ph") == "X"]
+    t_start = trace_abs_start_ns(raw_trace)
+    t_end = raw_trace["baseTimeNanoseconds"] + int(1000 * max(e["ts"] + e.get("dur", 0) for e in xs))
+    lo, hi = t_end + 20_000_000, t_end + 40_000_000
+    skew_us = (t_end - t_start + 25_000_000) / 1000
+    rpcs = make_rpcs(t_end + 1_000_000)
+    per_worker = defaultdict(list)
+    for c, s in rpcs:
+        per_worker[c["worker"]].append(c)
+        per_worker[s["worker"]].append(s)
+    root = tmp_path / "out"
+    for w in WORKERS:
+        write_span_file(root / "spans" / f"{w}-{OS_PIDS[w]}.jsonl", w, per_worker[w],
+                        skew_us=skew_us if w == "worker1" else 0.0)
+        write_json(root / "traces" / f"{w}.json",
+                   worker_trace(raw_trace, w, skew_us=skew_us if w == "worker1" else 0.0, rank=WORKERS.index(w)))
+    times = local_spans({"rpcs": rpcs}, {"worker1": int(skew_us * 1000)})
+    out = tmp_path / "merged.json"
+    rc, err = run_main(capsys, root, "-o", out, "--since", f"@{lo / 1e9!r}", "--until", f"@{hi / 1e9!r}")
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    summ, ev = doc["rpc_observe_merge"], doc["traceEvents"]
+    cut = summ["cut"]
+    assert abs(cut["since_unix_ns"] - lo) < 1000 and abs(cut["until_unix_ns"] - hi) < 1000
+    expected = {sid for sid, (s, e) in times.items() if e >= cut["since_unix_ns"] and s <= cut["until_unix_ns"]}
+    assert 0 < len(expected) < len(times)
+    assert set(span_slices(doc)) == expected
+    assert cut["spans_outside_window"] == len(times) - len(expected) and cut["spans_kept"] == len(expected)
+    assert cut["profiler_events_outside_window"] > 0
+    lines = [ln for ln in err.splitlines() if "cut:" in ln]
+    assert len(lines) == 1 and f"{len(times) - len(expected)} span(s) and " in lines[0]
+    assert "outside --since/--until" in lines[0]
+    pid_of = {n: p for p, n in process_names(doc).items()}
+    ops = Counter(e["pid"] for e in ev if e.get("cat") == "cpu_op")
+    assert ops[pid_of["worker1"]] > 0 and not ops[pid_of["worker0"]] and not ops[pid_of["worker2"]]
+    flows = defaultdict(Counter)  # a Kineto flow with an end outside is left out whole
+    for e in ev:
+        if e.get("ph") in ("s", "f"):
+            flows[(e["cat"], e["id"])][e["ph"]] += 1
+    assert all(c == Counter({"s": 1, "f": 1}) for c in flows.values())
+
+    # relative to the run's first event by default; nothing that ended before the start is kept
+    rc, err = run_main(capsys, root, "-o", out, "--since", "0.03")
+    doc = json.loads(out.read_text())
+    cut = doc["rpc_observe_merge"]["cut"]
+    assert cut["since"] == "0.03s" and cut["until_unix_ns"] is None
+    assert cut["run_start_unix_ns"] <= t_start and cut["since_unix_ns"] == cut["run_start_unix_ns"] + 30_000_000
+    assert set(span_slices(doc)) == {sid for sid, (_, e) in times.items() if e >= cut["since_unix_ns"]}
+
+
+def test_bad_limits_are_refused(capsys):
+    for args in (["--max-spans", "0"], ["--since", "soon"], ["--until", "@nan"]):
+        with pytest.raises(SystemExit) as exc:
+            M.main(args)
+        assert exc.value.code == 2
+    assert "--max-spans" in capsys.readouterr().err

@@ -19,15 +19,16 @@ import sys
 import tempfile
 import time
 
-from . import _report
+from . import report
 
-_WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_demo_workload.py")
+_WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workload.py")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rpc-observe demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=3, choices=(3, 4), help="processes: 1 server + trainers (default 3)")
+    parser.add_argument("--workers", type=int, default=3, choices=(3, 4),
+                        help="processes: 1 server + trainers (default 3)")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of training (default 5)")
     parser.add_argument("--serve", action="store_true", help="keep running (for the docker-compose stack) until Ctrl-C")
     parser.add_argument("--out", default=os.environ.get("RPC_OBSERVE_DIR", "rpc_observe_out"),
@@ -57,7 +58,7 @@ def _calls(targets: dict[str, str]) -> float:
     count = 0.0
     for target in targets.values():
         try:
-            count += sum(v for n, _, v in _report.scrape(target) if n == "torch_rpc_client_requests_total")
+            count += sum(v for n, _, v in report.scrape(target) if n == "torch_rpc_client_requests_total")
         except OSError:
             pass
     return count
@@ -79,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     env = _worker_env(out_dir, run_id, 0.0 if args.serve else args.duration)
     logs = [open(os.path.join(control, f"worker{r}.log"), "w") for r in range(args.workers)]
-    procs = [subprocess.Popen([sys.executable, _WORKLOAD, str(r), str(args.workers), os.path.join(control, "init"), control],
-                              env=env, stdout=log, stderr=subprocess.STDOUT) for r, log in enumerate(logs)]
+    procs = [subprocess.Popen([sys.executable, _WORKLOAD, str(r), str(args.workers), os.path.join(control, "init"),
+                               control], env=env, stdout=log, stderr=subprocess.STDOUT) for r, log in enumerate(logs)]
     stopping = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stopping.update(now=True))
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(now=True))
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
 
 
-def _run(args, out_dir, control, procs, start, stopping) -> int:
+def _run(args: argparse.Namespace, out_dir: str, control: str, procs: list[subprocess.Popen], start: float,
+         stopping: dict[str, bool]) -> int:
     print(f"rpc_observe demo: 1 parameter server + {args.workers - 1} trainers on 127.0.0.1, output in {out_dir}")
     targets: dict[str, str] = {}
     while len(targets) < args.workers:
@@ -116,21 +118,21 @@ def _run(args, out_dir, control, procs, start, stopping) -> int:
         time.sleep(0.5)
     samples = []
     for target in targets.values():
-        samples.extend(_report.scrape(target))
+        samples.extend(report.scrape(target))
     print(_bar(1.0, sum(v for n, _, v in samples if n == "torch_rpc_client_requests_total")))
     os.remove(os.path.join(control, "hold"))
     for proc in procs:
         if proc.wait(timeout=120) != 0:
             return _failed(control, procs, "a worker failed at shutdown")
     print("\nper method (all workers):")
-    print("\n".join("  " + row for row in _report.method_table(samples)))
+    print("\n".join("  " + row for row in report.method_table(samples)))
     print("\ntraffic matrix (client calls and bytes sent, caller -> callee):")
-    print("\n".join("  " + row for row in _report.traffic_matrix(samples)))
+    print("\n".join("  " + row for row in report.traffic_matrix(samples)))
     return _artifacts(out_dir)
 
 
 def _artifacts(out_dir: str) -> int:
-    from . import merge
+    from .. import merge
 
     merged = os.path.join(out_dir, "merged.json")
     status = merge.main([os.path.join(out_dir, "spans"), os.path.join(out_dir, "profiler"), "-o", merged, "-q"])
@@ -139,13 +141,15 @@ def _artifacts(out_dir: str) -> int:
     print(f"  torch.profiler traces, per worker:      {os.path.join(out_dir, 'profiler')}")
     print(f"  merged timeline of all workers:         {merged}")
     print("\nopen them:")
-    print("  Perfetto:  https://ui.perfetto.dev -> Open trace file -> merged.json (arrows link each call to its execution)")
+    print("  Perfetto:  https://ui.perfetto.dev -> Open trace file -> merged.json"
+          " (arrows link each call to its execution)")
     print("  Jaeger:    docker compose up -d; OTEL_TRACES_EXPORTER=otlp rpc-observe demo; then http://localhost:16686")
-    print("  Grafana:   docker compose up -d; rpc-observe demo --serve; then http://localhost:3000 (dashboard 'rpc_observe')")
+    print("  Grafana:   docker compose up -d; rpc-observe demo --serve; then http://localhost:3000"
+          " (dashboard 'rpc_observe')")
     return 0 if status == 0 else status
 
 
-def _failed(control: str, procs, why: str) -> int:
+def _failed(control: str, procs: list[subprocess.Popen], why: str) -> int:
     print(f"\nrpc_observe demo: {why}; worker logs in {control}", file=sys.stderr)
     for path in sorted(glob.glob(os.path.join(control, "worker*.log"))):
         with open(path) as f:

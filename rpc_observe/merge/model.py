@@ -29,9 +29,11 @@ def json_error(e: json.JSONDecodeError, text: str) -> str:
     return f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})"
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
-    """One OTLP span; times are its worker's own wall clock, in ns."""
+    """One OTLP span; times are its worker's own wall clock, in ns.  ``attrs``
+    is shared by the spans of one call site (same name, kind and status), and
+    by nothing else: never mutate it.  Ids are lower-case hex, or JSON-escaped."""
 
     trace_id: str
     span_id: str
@@ -44,7 +46,12 @@ class Span:
     attrs: dict[str, Any]
     status_code: int = 0
     status_message: str = ""
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] | tuple = ()
+    # Set as it is laid out: its lane's thread id and '"pid":P,"tid":T' text, and its start
+    # on the merged timeline (ns after its zero).
+    tid: int = 0
+    lane: str = ""
+    ts: int = 0
 
 
 @dataclass
@@ -66,14 +73,23 @@ class TraceInput:
 
 @dataclass
 class SpanInput:
-    """One span file: its spans, how many carry each run id, and the workers
+    """One worker's span stream: its span file and the rotated older ones, read
+    oldest first as one stream (or a whole-document span file, ``doc``).
+    ``run_id`` is its vote for the run (its first batch's); once read, the
+    spans it holds per run id (key None: spans without one) and the workers
     seen under each OS pid (to name profiler traces that lack a worker)."""
 
-    path: Path
-    spans: list[Span]
-    run_ids: Counter
-    pids: dict[int, set[str]]
+    paths: list[Path]
+    doc: dict[str, Any] | None = None
+    run_id: str | None = None
+    run_ids: Counter = field(default_factory=Counter)
+    pids: dict[int, set[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def path(self) -> Path:
+        """The current (newest) file of the stream."""
+        return self.paths[-1]
 
 
 @dataclass

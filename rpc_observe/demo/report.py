@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import urllib.request
 from collections import defaultdict
+from collections.abc import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,7 +32,10 @@ def quantile(q: float, buckets: dict[float, float]) -> float:
     return lower
 
 
-def _histograms(samples, name: str, key: str) -> dict[str, dict[float, float]]:
+Sample = tuple[str, dict, float]  # name, labels, value: one scraped sample
+
+
+def _histograms(samples: Iterable[Sample], name: str, key: str) -> dict[str, dict[float, float]]:
     out: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for n, labels, value in samples:
         if n == f"{name}_bucket":
@@ -39,7 +43,7 @@ def _histograms(samples, name: str, key: str) -> dict[str, dict[float, float]]:
     return out
 
 
-def _sums(samples, name: str, key: str, **match: str) -> dict[str, float]:
+def _sums(samples: Iterable[Sample], name: str, key: str, **match: str) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for n, labels, value in samples:
         if n == name and all(labels.get(k) == v for k, v in match.items()):
@@ -51,7 +55,7 @@ def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
 
 
-def method_table(samples) -> list[str]:
+def method_table(samples: list[Sample]) -> list[str]:
     """Calls, errors, client and server p50/p99, bytes and tensors per call, wasted storage."""
     calls = _sums(samples, "torch_rpc_client_requests_total", "method")
     errors = _sums(samples, "torch_rpc_client_errors_total", "method")
@@ -63,7 +67,8 @@ def method_table(samples) -> list[str]:
     tensors = _sums(samples, "torch_rpc_serialized_tensors_sum", "method", **req)
     logical = _sums(samples, "torch_rpc_tensor_bytes_sum", "method", **req)
     storage = _sums(samples, "torch_rpc_tensor_storage_bytes_sum", "method", **req)
-    header = f"{'method':<34}{'calls':>7}{'errors':>7}{'client p50/p99 ms':>19}{'server p50/p99 ms':>19}{'bytes/msg':>11}{'tensors/msg':>12}{'wasted':>8}"
+    header = (f"{'method':<34}{'calls':>7}{'errors':>7}{'client p50/p99 ms':>19}{'server p50/p99 ms':>19}"
+              f"{'bytes/msg':>11}{'tensors/msg':>12}{'wasted':>8}")
     rows = [header, "-" * len(header)]
     for method in sorted(calls, key=lambda m: -calls[m]):
         n = messages.get(method, 0)
@@ -72,11 +77,12 @@ def method_table(samples) -> list[str]:
         rows.append(f"{method[:33]:<34}{calls[method]:>7.0f}{errors.get(method, 0):>7.0f}"
                     f"{_ms(quantile(0.5, c)) + '/' + _ms(quantile(0.99, c)):>19}"
                     f"{_ms(quantile(0.5, s)) + '/' + _ms(quantile(0.99, s)):>19}"
-                    f"{(nbytes[method] / n if n else 0):>11.0f}{(tensors[method] / n if n else 0):>12.1f}{wasted:>8.0%}")
+                    f"{(nbytes[method] / n if n else 0):>11.0f}{(tensors[method] / n if n else 0):>12.1f}"
+                    f"{wasted:>8.0%}")
     return rows
 
 
-def traffic_matrix(samples) -> list[str]:
+def traffic_matrix(samples: list[Sample]) -> list[str]:
     """Bytes and calls from each worker (rows) to each peer (columns)."""
     sent: dict[tuple[str, str], float] = defaultdict(float)
     calls: dict[tuple[str, str], float] = defaultdict(float)
@@ -89,7 +95,7 @@ def traffic_matrix(samples) -> list[str]:
     corner = "from \\ to"
     rows = [f"{corner:<12}" + "".join(f"{w:>22}" for w in workers)]
     for src in workers:
-        cells = [f"{calls.get((src, dst), 0):.0f} calls {sent.get((src, dst), 0) / 1e6:.1f} MB" if (src, dst) in calls else "-"
-                 for dst in workers]
+        cells = [f"{calls.get((src, dst), 0):.0f} calls {sent.get((src, dst), 0) / 1e6:.1f} MB"
+                 if (src, dst) in calls else "-" for dst in workers]
         rows.append(f"{src:<12}" + "".join(f"{c:>22}" for c in cells))
     return rows

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed.rpc as rpc
@@ -54,7 +55,7 @@ class ParameterServer:
 
     @staticmethod
     @rpc.functions.async_execution
-    def update_and_fetch(ps_rref, grad: torch.Tensor) -> Future:
+    def update_and_fetch(ps_rref: rpc.RRef, grad: torch.Tensor) -> Future:
         self = ps_rref.local_value()
         with self._lock:
             self._pending += grad
@@ -97,7 +98,7 @@ def store_activations(activations: torch.Tensor) -> int:
     return activations.numel()
 
 
-def _train(rank: int, world: int, stop) -> int:
+def _train(rank: int, world: int, stop: Callable[[], bool]) -> int:
     ps_rref = rpc.remote("ps", parameter_server).to_here()
     scorer = f"trainer{rank % (world - 1) + 1}"
     big = torch.randn(1 << 20)

@@ -22,12 +22,12 @@ the bounds add up along the path.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class RpcPair:
+class RpcPair(NamedTuple):
     """One matched client/server span pair, times in microseconds on the
     local clock of the worker that recorded them (any common origin)."""
 
@@ -87,21 +87,21 @@ class ClockEstimate:
         return [w for w, b in self.bounds_us.items() if b is None]
 
 
-def edge_intervals(pairs: Iterable[RpcPair]) -> dict[tuple[str, str], EdgeInterval]:
+def edge_intervals(pairs: Iterable[RpcPair | tuple]) -> dict[tuple[str, str], EdgeInterval]:
     """Intersect the per-pair constraints into one interval per worker pair.
 
+    ``pairs`` may be :class:`RpcPair` or plain tuples in its field order.
     Keys are ``(a, b)`` with ``a < b``; the interval bounds
     ``offset[b] - offset[a]``.  Same-worker pairs carry no information and
     are ignored.
     """
     edges: dict[tuple[str, str], EdgeInterval] = {}
-    for p in pairs:
-        c, s = p.client_worker, p.server_worker
+    for c, s, c_start, c_end, s_start, s_end in pairs:
         if c == s:
             continue
         # bounds on offset[s] - offset[c]
-        lo = p.client_start_us - p.server_start_us
-        hi = p.client_end_us - p.server_end_us
+        lo = c_start - s_start
+        hi = c_end - s_end
         if c < s:
             key = (c, s)
         else:  # bounds on offset[c] - offset[s] = -(offset[s] - offset[c])
@@ -111,14 +111,16 @@ def edge_intervals(pairs: Iterable[RpcPair]) -> dict[tuple[str, str], EdgeInterv
         if e is None:
             edges[key] = EdgeInterval(lo, hi, 1)
         else:
-            e.lo = max(e.lo, lo)
-            e.hi = min(e.hi, hi)
+            if lo > e.lo:
+                e.lo = lo
+            if hi < e.hi:
+                e.hi = hi
             e.pairs += 1
     return edges
 
 
 def estimate_offsets(
-    pairs: Iterable[RpcPair], workers: Sequence[str] = ()
+    pairs: Iterable[RpcPair | tuple], workers: Sequence[str] = ()
 ) -> ClockEstimate:
     """Estimate per-worker clock offsets from matched RPC pairs.
 

@@ -1,5 +1,6 @@
-"""The inputs of ``rpc-observe merge``: finding and reading the files, keeping
-one run, and telling which worker each profiler trace belongs to.
+"""The inputs of ``rpc-observe merge``: loading the files, keeping one run,
+streaming its spans through the limits, and telling which worker each
+profiler trace belongs to.
 
 Every file that cannot be used becomes a :class:`Skipped` with the reason, so
 one bad file never stops the merge of the others.
@@ -7,59 +8,38 @@ one bad file never stops the merge of the others.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
-import re
-import zlib
 from collections import Counter
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from ._merge_model import (
-    BadInput, IgnoredInput, RunInputs, Skipped, Span, SpanInput, TraceInput, json_error,
-)
-from ._merge_otlp import spans_from_batches, spans_from_lines, to_int
+from .files import is_span_file, natural, read_text, span_streams, trace_stem
+from .limits import Limits, SpanSink
+from .model import BadInput, IgnoredInput, RunInputs, Skipped, SpanInput, TraceInput, json_error
+from .otlp import to_int
+from .spanfile import SpanReader, earliest_start_ns, peek_run_id
 
-_SUFFIXES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
-_SPAN_SUFFIXES = (".jsonl", ".jsonl.gz")
 # Kineto categories recorded by the profiled process itself (not by a GPU).
 _CPU_CATS = {"cpu_op", "python_function", "user_annotation", "cpu_instant_event", "rpc_observe"}
 
 
-def collect_inputs(paths: Iterable[str | os.PathLike]) -> tuple[list[Path], list[Skipped]]:
-    """Expand files and directories (recursively) into input files."""
-    files: list[Path] = []
-    missing: list[Skipped] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            files.extend(sorted(
-                f for f in p.rglob("*")
-                if f.is_file() and f.name.endswith(_SUFFIXES) and not f.name.startswith(".")
-            ))
-        elif p.is_file():
-            files.append(p)
-        else:
-            missing.append(Skipped(str(p), "no such file or directory"))
-    return list(dict.fromkeys(files)), missing
-
-
 def load_input(path: Path) -> TraceInput | SpanInput:
-    """Parse one input file.  Raises :class:`BadInput` for unusable files and
+    """Parse one input file (a span file is only opened: it is read later, as
+    a stream).  Raises :class:`BadInput` for unusable files and
     :class:`IgnoredInput` for rpc_observe's own non-input files."""
-    text = _read_text(path)
+    if is_span_file(path):
+        return SpanInput(paths=[path])
+    text = read_text(path)
     if not text.strip():
-        if path.name.endswith(_SPAN_SUFFIXES):  # a worker that exported no span
-            return SpanInput(path=path, spans=[], run_ids=Counter(), pids={})
         raise BadInput("empty file")
-    if path.name.endswith(_SPAN_SUFFIXES):
-        return spans_from_lines(path, text)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         first = text.lstrip()[:1]
         if first == "{" and '"resourceSpans"' in text[:4096] and "\n" in text.strip():
-            return spans_from_lines(path, text)  # JSON-lines without .jsonl suffix
+            return SpanInput(paths=[path])  # JSON-lines without .jsonl suffix
         raise BadInput(json_error(e, text)) from None
     if isinstance(doc, dict) and "rpc_observe_merge" in doc:
         raise IgnoredInput("output of a previous merge")
@@ -68,27 +48,11 @@ def load_input(path: Path) -> TraceInput | SpanInput:
     if isinstance(doc, dict) and "traceEvents" in doc:
         return _scan_trace(path, doc)
     if isinstance(doc, dict) and "resourceSpans" in doc:
-        return spans_from_batches(path, [doc], [])
+        return SpanInput(paths=[path], doc=doc)
     if isinstance(doc, list) and doc and all(isinstance(e, dict) and "ph" in e for e in doc[:10]):
         raise BadInput("Chrome trace array without baseTimeNanoseconds (no absolute time)")
     keys = ", ".join(sorted(doc)[:6]) if isinstance(doc, dict) else type(doc).__name__
     raise BadInput(f"not a torch.profiler trace or OTLP span file (found: {keys})")
-
-
-def _read_text(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-        if raw[:2] == b"\x1f\x8b":
-            try:
-                raw = gzip.decompress(raw)
-            except (EOFError, OSError, zlib.error) as e:
-                raise BadInput(f"truncated or corrupt gzip ({e})") from None
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadInput("not UTF-8 text") from None
-    except OSError as e:
-        raise BadInput(f"cannot read ({e.strerror or e})") from None
 
 
 def _scan_trace(path: Path, doc: dict[str, Any]) -> TraceInput:
@@ -97,15 +61,10 @@ def _scan_trace(path: Path, doc: dict[str, Any]) -> TraceInput:
     events = doc.get("traceEvents")
     if not isinstance(events, list):
         raise BadInput("'traceEvents' is not a list")
-    base = doc.get("baseTimeNanoseconds")
-    try:
-        base_ns = int(base) if not isinstance(base, bool) else 0
-    except (TypeError, ValueError):
-        base_ns = 0
+    base_ns = to_int(doc.get("baseTimeNanoseconds")) or 0
     if base_ns <= 0:
         raise BadInput("profiler trace without baseTimeNanoseconds (no absolute time)")
-    ro = doc.get("rpc_observe") if isinstance(doc.get("rpc_observe"), dict) else {}
-    di = doc.get("distributedInfo") if isinstance(doc.get("distributedInfo"), dict) else {}
+    ro, di = _dict(doc.get("rpc_observe")), _dict(doc.get("distributedInfo"))
     pid_hint = to_int(ro.get("pid"))
     min_ts: float | None = None
     cpu_pids: Counter = Counter()
@@ -140,14 +99,20 @@ def _scan_trace(path: Path, doc: dict[str, Any]) -> TraceInput:
     )
 
 
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
 def load_inputs(files: list[Path], exclude: Iterable[str | os.PathLike], log: Callable[[str], None],
                 skipped: list[Skipped]) -> tuple[list[TraceInput], list[SpanInput]]:
-    """Load every file not in ``exclude``; what cannot be used goes to ``skipped``."""
+    """Load every file not in ``exclude`` (a worker's rotated span files as one
+    stream); what cannot be used goes to ``skipped``."""
     excluded = {Path(p).resolve() for p in exclude}
+    files = [f for f in files if f.resolve() not in excluded]
     traces: list[TraceInput] = []
-    span_inputs: list[SpanInput] = []
+    span_inputs = [SpanInput(paths=paths) for paths in span_streams(f for f in files if is_span_file(f))]
     for f in files:
-        if f.resolve() in excluded:
+        if is_span_file(f):
             continue
         try:
             loaded = load_input(f)
@@ -161,50 +126,69 @@ def load_inputs(files: list[Path], exclude: Iterable[str | os.PathLike], log: Ca
             traces.append(loaded)
         else:
             span_inputs.append(loaded)
-            if loaded.problems:
-                skipped.append(Skipped(str(f), "partially read: " + "; ".join(loaded.problems[:3])))
+    for si in span_inputs:
+        si.run_id = peek_run_id(si)
     return traces, span_inputs
 
 
 def select_run(run_id: str | None, traces: list[TraceInput], span_inputs: list[SpanInput],
-               skipped: list[Skipped]) -> tuple[str | None, list[TraceInput], list[SpanInput]]:
-    """Keep the inputs of one run: ``run_id``, else the majority of the files
-    (one vote per file); what is from another run goes to ``skipped``."""
+               skipped: list[Skipped]) -> tuple[str | None, list[TraceInput]]:
+    """Choose the run: ``run_id``, else the majority of the inputs (one vote per
+    trace and per span stream); traces of another run go to ``skipped`` (the
+    spans of another run are left out as the streams are read)."""
     if run_id is None:
         votes: Counter = Counter(t.run_id for t in traces if t.run_id)
-        votes.update(si.run_ids.most_common(1)[0][0] for si in span_inputs if si.run_ids)
+        votes.update(si.run_id for si in span_inputs if si.run_id)
         if votes:
             run_id = sorted(votes.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
     if run_id is None:
-        return None, traces, span_inputs
-    kept_traces = []
+        return None, traces
+    kept = []
     for t in traces:
         if t.run_id and t.run_id != run_id:
             skipped.append(Skipped(str(t.path), f"from another run (run_id {t.run_id!r}, merging {run_id!r})"))
         else:
-            kept_traces.append(t)
-    kept_inputs = []
+            kept.append(t)
+    return run_id, kept
+
+
+def read_spans(span_inputs: list[SpanInput], traces: list[TraceInput], run_id: str | None, limits: Limits,
+               skipped: list[Skipped]) -> tuple[list[SpanInput], SpanSink]:
+    """Stream the run's spans into a :class:`SpanSink`; returns the streams that
+    gave something, and the sink."""
+    run_start = None
+    if limits.relative:  # a window relative to the run's first event: find it first
+        starts = [earliest_start_ns(si) for si in span_inputs]
+        starts += [t.base_ns + int((t.min_ts or 0) * 1000) for t in traces]
+        run_start = min((s for s in starts if s is not None), default=None)
+    sink = SpanSink(limits, run_start)
+    reader = SpanReader(sink.add_many, run_id)
+    kept: list[SpanInput] = []
     for si in span_inputs:
-        good = [s for s in si.spans if s.attrs.get("_run_id") in (None, run_id)]
-        if not good and si.spans:
-            others = ", ".join(repr(r) for r in si.run_ids)
-            skipped.append(Skipped(str(si.path), f"from another run (run_id {others}, merging {run_id!r})"))
+        reader.read(si)
+        # run_ids counts the spans read per run id (None: spans without one, always merged)
+        others = {r: n for r, n in si.run_ids.items() if r not in (None, run_id)} if run_id else {}
+        mine = sum(si.run_ids.values()) - sum(others.values())
+        if not mine and others:
+            names = ", ".join(repr(r) for r in others)
+            skipped.append(Skipped(str(si.path), f"from another run (run_id {names}, merging {run_id!r})"))
             continue
-        if len(good) < len(si.spans):
-            skipped.append(Skipped(str(si.path), f"{len(si.spans) - len(good)} span(s) from another run dropped"))
-        si.spans = good
-        kept_inputs.append(si)
-    return run_id, kept_traces, kept_inputs
+        if not mine and si.problems:
+            skipped.append(Skipped(str(si.path), "; ".join(si.problems[:3])))
+            continue
+        if others:
+            skipped.append(Skipped(str(si.path), f"{sum(others.values())} span(s) from another run dropped"))
+        if si.problems:
+            skipped.append(Skipped(str(si.path), "partially read: " + "; ".join(si.problems[:3])))
+        kept.append(si)
+    return kept, sink
 
 
-def resolve_workers(traces: list[TraceInput], span_inputs: list[SpanInput]) -> RunInputs | None:
-    """Deduplicate the spans and name each trace's worker; None if nothing is left."""
-    spans: dict[tuple[str, str], Span] = {}
+def resolve_workers(traces: list[TraceInput], span_inputs: list[SpanInput], sink: SpanSink) -> RunInputs | None:
+    """Name each trace's worker and order the workers; None if nothing is left."""
+    spans = sink.spans
     pid_workers: dict[int, set[str]] = {}
     for si in span_inputs:
-        for s in si.spans:
-            s.attrs.pop("_run_id", None)
-            spans.setdefault((s.trace_id, s.span_id), s)
         for pid, ws in si.pids.items():
             pid_workers.setdefault(pid, set()).update(ws)
     if not traces and not spans:
@@ -217,24 +201,9 @@ def resolve_workers(traces: list[TraceInput], span_inputs: list[SpanInput]) -> R
         elif t.pid_hint is not None and len(pid_workers.get(t.pid_hint, ())) == 1:
             t.worker = next(iter(pid_workers[t.pid_hint]))
         else:
-            t.worker = _trace_stem(t.path)
+            t.worker = trace_stem(t.path)
         if t.rank is not None:
             ranks.setdefault(t.worker, t.rank)
     names = {s.worker for s in spans.values()} | {t.worker for t in traces}
-    workers = sorted(names, key=lambda w: (ranks.get(w, 1 << 30), _natural(w)))
+    workers = sorted(names, key=lambda w: (ranks.get(w, 1 << 30), natural(w)))
     return RunInputs(traces, span_inputs, spans, pid_workers, ranks, workers)
-
-
-def _natural(s: str) -> list:
-    """Sort key that puts ``worker2`` before ``worker10``."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
-
-
-def _trace_stem(path: Path) -> str:
-    """``host_123.1700000000000.pt.trace.json.gz`` -> ``host_123`` (the
-    tensorboard_trace_handler name without its per-export timestamp)."""
-    name = path.name
-    for suf in (".gz", ".json", ".pt.trace"):
-        if name.endswith(suf):
-            name = name[: -len(suf)]
-    return re.sub(r"\.\d+$", "", name) or path.name

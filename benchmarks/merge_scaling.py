@@ -1,0 +1,208 @@
+"""How ``rpc-observe merge`` scales with its input: wall time and peak memory.
+
+Writes synthetic span files of a 16-worker run in the exact format of rpc_observe's
+file exporter (``OtlpJsonFileSink``: one OTLP/HTTP JSON ``ExportTraceServiceRequest``
+a line, many spans a line, a CLIENT span on the caller and a SERVER span on the callee
+whose ``parentSpanId`` is the client's), then runs ``rpc-observe merge`` on each size in
+a fresh subprocess and reports its wall time and peak RSS (``ru_maxrss`` of that child).
+
+Run by hand (the 1M-span input is about 0.6 GB, and is deleted afterwards)::
+
+    .venv/bin/python benchmarks/merge_scaling.py                        # 10k, 100k, 1M spans
+    .venv/bin/python benchmarks/merge_scaling.py --sizes 100000 --profile
+    .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --rotate 3 --merge-args=--max-spans=100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKERS = 16
+BATCH = 512  # spans a line; the exporter's batches are up to OTEL_BSP_MAX_EXPORT_BATCH_SIZE (2048)
+RUN_ID = "bench-run"
+T0_NS = 1_790_000_000_000_000_000
+METHODS = ["ParameterServer.get_weights", "ParameterServer.update_and_fetch", "evaluate",
+           "score_batch", "make_stats", "save_checkpoint", "store_activations", "forward"]
+MODES = ["sync", "async", "remote"]
+
+
+def _value(v: object) -> dict:
+    """An OTLP AnyValue, encoded as the exporter encodes it."""
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    return {"stringValue": str(v)}
+
+
+def _attrs(d: dict) -> str:
+    return json.dumps([{"key": k, "value": _value(v)} for k, v in d.items()], separators=(",", ":"))
+
+
+class SpanWriter:
+    """One worker's span files: batches of ``BATCH`` spans a line, ``rotate`` files
+    named like a rotated log (``.jsonl`` newest, ``.jsonl.1`` older, ...)."""
+
+    def __init__(self, root: Path, worker: str, pid: int, per_file: int, rotate: int) -> None:
+        res = {"service.name": worker, "torch.rpc.worker": worker, "process.pid": pid,
+               "rpc_observe.run_id": RUN_ID, "telemetry.sdk.language": "python",
+               "telemetry.sdk.name": "opentelemetry", "telemetry.sdk.version": "1.39.1"}
+        scope = json.dumps({"name": "rpc_observe", "version": "0.1.0"}, separators=(",", ":"))
+        self.head = '{"resourceSpans":[{"resource":{"attributes":%s},"scopeSpans":[{"scope":%s,"spans":[' % (
+            _attrs(res), scope)
+        self.base = root / f"{worker}-{pid}.jsonl"
+        self.per_file, self.rotate = per_file, rotate
+        self.part, self.in_file, self.pending = 0, 0, []
+        self.file = open(self._part_path(0), "w", encoding="utf-8")
+
+    def _part_path(self, part: int) -> Path:
+        return self.base.with_name(f"{self.base.name}.part{part}")
+
+    def add(self, span_json: str) -> None:
+        self.pending.append(span_json)
+        if len(self.pending) >= BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.file.write(self.head + ",".join(self.pending) + "]}]}]}\n")
+        self.in_file += len(self.pending)
+        self.pending = []
+        if self.in_file >= self.per_file and self.part + 1 < self.rotate:
+            self.file.close()
+            self.part, self.in_file = self.part + 1, 0
+            self.file = open(self._part_path(self.part), "w", encoding="utf-8")
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+        for part in range(self.part + 1):  # part 0 is the oldest: the highest suffix
+            age = self.part - part
+            self._part_path(part).rename(self.base if age == 0 else self.base.with_name(f"{self.base.name}.{age}"))
+
+
+def generate(root: Path, n_spans: int, rotate: int = 1, seed: int = 1) -> int:
+    """Write ``n_spans`` spans (``n_spans // 2`` RPCs) of a 16-worker run; returns bytes written."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    names = [f"worker{i}" for i in range(WORKERS)]
+    skew_ns = {w: rng.randint(-5_000_000, 5_000_000) for w in names}  # each worker's clock error
+    per_file = -(-n_spans // WORKERS // rotate)
+    writers = {w: SpanWriter(root, w, 50_000 + i, per_file, rotate) for i, w in enumerate(names)}
+    sites: dict[tuple, str] = {}
+    t = T0_NS
+    for i in range(n_spans // 2):
+        src, dst = rng.sample(names, 2)
+        method, mode = METHODS[i % len(METHODS)], MODES[i % 7 % len(MODES)]
+        key = (method, mode, src, dst)
+        site = sites.get(key)
+        if site is None:
+            name = f"rpc_{mode}#{method}({src} -> {dst})"
+            attrs = {"rpc.system": "torch_rpc", "rpc.system.name": "torch_rpc", "rpc.method": method,
+                     "torch.rpc.src": src, "torch.rpc.dst": dst, "torch.rpc.exec_mode": mode,
+                     "torch.rpc.profiling_key": name, "torch.rpc.internal": False}
+            site = sites[key] = ',"name":%s,"kind":%%d,"attributes":%s' % (json.dumps(name), _attrs(attrs))
+        t += rng.randint(20_000, 380_000)  # ~5,000 RPCs a second over the whole run
+        net1, work, net2 = rng.randint(30_000, 300_000), rng.randint(50_000, 5_000_000), rng.randint(30_000, 300_000)
+        trace_id, cid, sid = rng.getrandbits(128), rng.getrandbits(64), rng.getrandbits(64)
+        failed = i % 97 == 13
+        for worker, kind, sp_id, parent, start, end in (
+            (src, 3, cid, 0, t, t + net1 + work + net2),
+            (dst, 2, sid, cid, t + net1, t + net1 + work),
+        ):
+            start, end = start + skew_ns[worker], end + skew_ns[worker]
+            parent_json = ',"parentSpanId":"%016x"' % parent if parent else ""
+            if failed:
+                status = ('"status":{"code":2,"message":"PermissionError: read-only file system"},'
+                          '"events":[{"name":"exception","timeUnixNano":"%d","attributes":%s}]' % (
+                              end, _attrs({"exception.type": "PermissionError",
+                                           "exception.message": "read-only file system"})))
+            else:
+                status = '"status":{"code":0}'
+            writers[worker].add(
+                '{"traceId":"%032x","spanId":"%016x"%s,"startTimeUnixNano":"%d","endTimeUnixNano":"%d"%s,%s}' % (
+                    trace_id, sp_id, parent_json, start, end, site % kind, status))
+    for w in writers.values():
+        w.close()
+    return sum(f.stat().st_size for f in root.iterdir())
+
+
+def run_merge(inputs: Path, output: Path, extra: list[str]) -> tuple[float, float, int, str]:
+    """``rpc-observe merge`` in a fresh interpreter: (wall seconds, CPU seconds, peak RSS bytes, stderr)."""
+    cmd = [sys.executable, "-m", "rpc_observe", "merge", str(inputs), "-o", str(output), *extra]
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        # wait4: this child's own rusage (RUSAGE_CHILDREN would be the max over every child so far).
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    if proc.returncode not in (0, 2):
+        raise SystemExit(f"merge failed ({proc.returncode}): {shlex.join(cmd)}\n{text}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, text  # ru_maxrss: KiB on Linux
+
+
+def profile_merge(inputs: Path, output: Path, extra: list[str], top: int = 25) -> None:
+    """cProfile of one merge, in this process; the top functions by own time."""
+    from rpc_observe import merge
+
+    prof = cProfile.Profile()
+    prof.runcall(merge.main, [str(inputs), "-o", str(output), "-q", *extra])
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="10000,100000,1000000", help="span counts, comma-separated")
+    ap.add_argument("--rotate", type=int, default=1, help="files per worker (rotated like logrotate)")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, deleted)")
+    ap.add_argument("--merge-args", default="", help="extra arguments for rpc-observe merge")
+    ap.add_argument("--profile", action="store_true", help="also cProfile the merge of each size")
+    args = ap.parse_args(argv)
+    extra = shlex.split(args.merge_args)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="merge_scaling_"))
+    rows = []
+    try:
+        for n in (int(s) for s in args.sizes.split(",")):
+            inputs, output = work / f"spans-{n}", work / f"merged-{n}.json"
+            size_in = generate(inputs, n, args.rotate)
+            wall, cpu, rss, err = run_merge(inputs, output, ["-q", *extra])
+            rows.append((n, size_in, output.stat().st_size, wall, cpu, rss))
+            if err.strip():
+                print(err.strip(), file=sys.stderr)
+            if args.profile:
+                profile_merge(inputs, output, extra)
+            shutil.rmtree(inputs)
+            output.unlink()
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"rpc-observe merge, {WORKERS} workers, {BATCH} spans a line, {args.rotate} file(s) a worker"
+          + (f", merge args: {args.merge_args}" if args.merge_args else ""))
+    print("| spans | input MB | output MB | wall s | CPU s | spans/s (wall) | spans/s (CPU) | peak RSS MB "
+          "| RSS / output |")
+    print("|------:|---------:|----------:|-------:|------:|---------------:|--------------:|------------:"
+          "|-------------:|")
+    for n, size_in, size_out, wall, cpu, rss in rows:
+        print(f"| {n:,} | {size_in / 1e6:,.1f} | {size_out / 1e6:,.1f} | {wall:.2f} | {cpu:.2f} | {n / wall:,.0f} "
+              f"| {n / cpu:,.0f} | {rss / 1e6:,.0f} | {rss / max(size_out, 1):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
