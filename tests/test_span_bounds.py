@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,17 +83,23 @@ def assert_last_calls_kept(out_dir: Path) -> None:
     assert last == {("worker0", 3): 5, ("worker1", 2): 5}, last
 
 
-def test_span_files_rotate_and_stay_under_the_cap_keeping_the_newest(tmp_path: Path) -> None:
-    env = {"RPC_OBSERVE": "1", "RPC_OBSERVE_SPANS_MAX_BYTES": str(CAP), "RPC_OBSERVE_SPANS_FILE_BYTES": str(FILE),
-           "OTEL_BSP_SCHEDULE_DELAY": "100", "SCENARIO_SECONDS": "3"}
+def flood(tmp_path: Path, env: dict[str, str]) -> tuple[Cluster, dict, Any, Any, Any]:
+    """The span_flood scenario, held while its spans settle; the job's own results are checked here."""
     cluster = Cluster(tmp_path, "span_flood", world=2, env=env, hold=True)
     try:
         result = cluster.wait_ready()
         counts, files, in_files = settled(cluster)
     finally:
         cluster.wait()
+    assert result["wrong"] == 0 and result["last"] == [0, -1, -2, -3, -4]  # RPC results unaffected
+    return cluster, result, counts, files, in_files
+
+
+def test_span_files_rotate_and_stay_under_the_cap_keeping_the_newest(tmp_path: Path) -> None:
+    env = {"RPC_OBSERVE": "1", "RPC_OBSERVE_SPANS_MAX_BYTES": str(CAP), "RPC_OBSERVE_SPANS_FILE_BYTES": str(FILE),
+           "OTEL_BSP_SCHEDULE_DELAY": "100", "SCENARIO_SECONDS": "3"}
+    cluster, result, counts, files, in_files = flood(tmp_path, env)
     # The job's results are unaffected.
-    assert result["wrong"] == 0 and result["last"] == [0, -1, -2, -3, -4]
     assert result["calls"] > 3 * CAP // 800, result  # several times what the cap holds
     assert set(files) == {"worker0", "worker1"}
     for worker, sizes in files.items():
@@ -136,14 +143,8 @@ def test_a_disk_that_fills_up_mid_run_drops_and_counts_warns_once_and_recovers(t
                                                                                small_disk: Path) -> None:
     env = {"RPC_OBSERVE": "1", "OTEL_BSP_SCHEDULE_DELAY": "100", "SCENARIO_SECONDS": "3",
            "SCENARIO_FILL": str(small_disk / "filler")}  # the driver fills the disk for the middle second
-    cluster = Cluster(tmp_path, "span_flood", world=2, env=env, hold=True)
+    cluster, result, counts, files, in_files = flood(tmp_path, env)
     assert cluster.out_dir == small_disk
-    try:
-        result = cluster.wait_ready()
-        counts, files, in_files = settled(cluster)
-    finally:
-        cluster.wait()
-    assert result["wrong"] == 0 and result["last"] == [0, -1, -2, -3, -4]
     assert result["filled"] > 1 << 20, result  # the filler did take the disk
     assert cluster.shutdown_s[0] < 5.0  # the driver's; worker1's includes the hold it waited through
     assert_every_span_accounted_for(counts, in_files, "disk_error")
