@@ -280,6 +280,10 @@ def make_tensor(n):
     return torch.ones(n)
 
 
+def make_dict():
+    return {"a": 1, "b": 2}
+
+
 def make_weight():
     return torch.ones(4, requires_grad=True)
 
@@ -299,6 +303,8 @@ def traffic(world):
     global _kept
     _kept = [rpc.remote("worker1", make_tensor, args=(1000 + i,)) for i in range(3)]
     fetched = [r.to_here().numel() for r in _kept]  # three tensor fetches, 4 kB each
+    fetched.append(len(rpc.remote("worker1", make_dict).to_here()))  # a Python value: pickled
+    fetched.append(rpc.remote("worker1", torch.add, args=(torch.ones(2), 1)).to_here().numel())  # a builtin's tensor
     w_rref = rpc.remote("worker1", make_weight)
     w_rref.to_here()
     optimizer = DistributedOptimizer(torch.optim.SGD, [w_rref], lr=0.1)

@@ -15,21 +15,25 @@ def traffic(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("traffic"), "traffic", env={"RPC_OBSERVE": "1"}, hold=True)
     result, scraped = cluster.scrape_held()
     results = cluster.wait()
-    assert results[0]["fetched"] == [1000, 1001, 1002]  # what torch returned, unchanged
+    assert results[0]["fetched"] == [1000, 1001, 1002, 2, 2]  # what torch returned, unchanged
     return cluster, scraped, cluster.spans()
 
 
 def test_to_here_is_a_client_span_and_a_client_call(traffic):
     cluster, scraped, spans = traffic
     fetches = [s for s in spans if s["name"] == "rpc_to_here#RRef.to_here(worker0 -> worker1)"]
-    assert len(fetches) == 5 and {s["kind"] for s in fetches} == {CLIENT}  # 3 tensors, the weight twice
+    assert len(fetches) == 7 and {s["kind"] for s in fetches} == {CLIENT}  # 4 tensors, a dict, the weight twice
     assert all(int(s["endTimeUnixNano"]) > int(s["startTimeUnixNano"]) for s in fetches)
     assert fetches[0]["attrs"]["rpc.method"] == "RRef.to_here" and fetches[0]["attrs"]["torch.rpc.dst"] == "worker1"
     w0 = scraped["worker0"]
-    assert total(w0, "torch_rpc_client_requests_total", method="RRef.to_here", mode="to_here") == 5
-    assert total(w0, "torch_rpc_client_duration_seconds_count", method="RRef.to_here", mode="to_here") == 5
-    # the fetched tensors' bytes: 3 tensors of 1000-1002 floats and the 4-float weight twice
-    fetched = 4 * (1000 + 1001 + 1002) + 2 * 4 * 4
+    assert total(w0, "torch_rpc_client_requests_total", method="RRef.to_here", mode="to_here") == 7
+    assert total(w0, "torch_rpc_client_duration_seconds_count", method="RRef.to_here", mode="to_here") == 7
+    # every fetch's response is named: the dict's pickle as the tensors' storage
+    response = {"direction": "deserialize", "message": "response"}
+    assert total(w0, "torch_rpc_serialized_bytes_count", method="RRef.to_here", **response) == 7  # once each
+    assert total(w0, "torch_rpc_serialized_bytes_sum", method="RRef.to_here", **response) > 0  # the dict's pickle
+    # the fetched tensors' bytes: 3 tensors of 1000-1002 floats, the 4-float weight twice, the builtin's 2 floats
+    fetched = 4 * (1000 + 1001 + 1002) + 2 * 4 * 4 + 2 * 4
     assert total(w0, "torch_rpc_tensor_storage_bytes_sum", method="RRef.to_here", direction="deserialize") == fetched
     assert total(w0, "torch_rpc_client_received_bytes_total", dst="worker1") >= fetched
 

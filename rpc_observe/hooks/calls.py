@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .client import ClientSite
     from .server import ServerSite
 
-local = threading.local()  # .call: the client call being serialized on this thread
+local = threading.local()  # .call: the client call being serialized on this thread; .fetch: an RRef.to_here() site
 # Every started call that has a future, by call id: those whose echoed response ends them,
 # and those a done-callback ends (so that shutdown, exit and SIGTERM can end what is left).
 in_flight: dict[int, Call] = {}

@@ -76,12 +76,19 @@ def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any
             obj = _tuple_new(_IncomingUDF, obj)
         obj.rpc_observe_fields = fields  # for the wrapped _run_function
     if record is not None:
+        peer_cell, wire_bytes = None, 0
+        fetch = getattr(_local, "fetch", None) if not request else None
         if request:
             cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func, obj.args)
+        elif fetch is not None and fields is None:  # the value of an RRef.to_here() on this thread (traffic.py)
+            cells, peer_cell = fetch.response_cells, fetch.received
+            _local.fetch = None  # counted here: the fetch wrapper must not count it again
         else:
             cells = _unknown_cells(runtime, "deserialize", "request" if isinstance(obj, AttributeError) else "response")
         logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-        record((fold_message, cells, size, len(tensors), logical, traveling, seconds, None, 0))
+        if peer_cell is not None:
+            wire_bytes = len(data) + traveling
+        record((fold_message, cells, size, len(tensors), logical, traveling, seconds, peer_cell, wire_bytes))
     return obj
 
 

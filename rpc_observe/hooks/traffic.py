@@ -2,8 +2,10 @@
 
 - `RRef.to_here()` (`PyRRef.to_here`): a CLIENT span and client metrics on the caller,
   `rpc_to_here#RRef.to_here(caller -> owner)`; it blocks the user, its duration is what
-  they wait for. A tensor value's storage bytes count as the response's. A local RRef
-  (this worker owns it) is no RPC and is left alone.
+  they wait for. Its response is named too: a Python value is unpickled on this thread
+  (`local.fetch` tells the pickler whose it is); a tensor held as a TorchScript value never
+  meets the pickler, and its storage bytes are counted here. A local RRef (this worker owns
+  it) is no RPC and is left alone.
 - `torch.distributed.autograd.backward`: an INTERNAL span with its duration and the
   workers the autograd context reached (`torch.rpc.dist_autograd.workers`, from torch).
 - `DistributedOptimizer.step`: an INTERNAL span, parent of its per-worker
@@ -21,7 +23,7 @@ import torch
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import fold_message
-from .calls import Call, end_raised
+from .calls import Call, end_raised, local
 from .client import ClientSite
 from .pickler import tensor_sizes
 
@@ -62,19 +64,25 @@ def wrap_to_here(original: Callable[..., Any]) -> Callable[..., Any]:
                 health.internal_error("to_here_start")
         if call is None:
             return original(self, *args, **kwargs)
+        # A Python value comes back pickled and is unpickled on this thread: the pickler names it.
+        outer, local.fetch = getattr(local, "fetch", None), call.site
         try:
             value = original(self, *args, **kwargs)
         except BaseException as e:
+            local.fetch = outer
             end_raised(call, e)
             raise
+        unpickled = getattr(local, "fetch", None) is None  # the pickler counted the response
+        local.fetch = outer
         try:
             if call.rf is not None:
                 runtime.profiler.client_end(call.rf)  # type: ignore[union-attr]
             call.finish()
             site = call.site
-            if site.record is not None and type(value) is torch.Tensor:
-                # A tensor RRef's value travels as a tensor, never through the pickler: count its
-                # storage as the response's bytes (the C++ message's own few bytes are not seen).
+            if site.record is not None and not unpickled and type(value) is torch.Tensor:
+                # A tensor held as a TorchScript value (e.g. `RRef(tensor)`, a builtin's result) travels
+                # without the pickler: count its storage as the response's bytes (the message's own
+                # few bytes are not seen).
                 logical, traveling = tensor_sizes([value])
                 site.record((fold_message, site.response_cells, 0, 1, logical, traveling, 0.0, site.received,
                              traveling))
