@@ -16,14 +16,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rpc_observe"
 STDLIB = sys.stdlib_module_names
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, package: Path = PACKAGE) -> set[str]:
     """Every module `path` imports, absolute (relative imports resolved)."""
-    name = _module_name(path)
+    name = _module_name(path, package)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -89,7 +89,12 @@ def test_the_four_products_are_sub_packages() -> None:
 
 
 def test_the_checker_sees_violations(tmp_path: Path) -> None:
-    """The rules above can fail: a telemetry module importing torch lazily is caught."""
+    """The rules above can fail: lazy and relative imports of torch and the hooks are seen."""
+    bad = tmp_path / "rpc_observe" / "telemetry" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("def f():\n    import torch.distributed\n    from ..hooks import calls\n    from . import health\n")
+    found = _imports(bad, tmp_path / "rpc_observe")
+    assert {"torch.distributed", "rpc_observe.hooks", "rpc_observe.telemetry.health"} <= found
     fake = PACKAGE / "telemetry" / "metrics.py"
     imports = _imports(fake)
     assert "prometheus_client.core" in imports and "rpc_observe.telemetry.health" in imports
