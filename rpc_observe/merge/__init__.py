@@ -35,7 +35,9 @@ import gc
 import gzip
 import json
 import os
+import queue
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -128,7 +130,7 @@ def write_merged(trace: dict[str, Any], path: str | os.PathLike, chunk: int = 20
     opener = gzip.open if path.name.endswith(".gz") else open
     sep = (",", ":")
     try:
-        with _gc_paused(), opener(tmp, "wt", encoding="utf-8") as f:
+        with _gc_paused(), opener(tmp, "wb") as raw, _BackgroundWriter(raw) as f:
             f.write("{")
             for n, (k, v) in enumerate(trace.items()):
                 f.write(("," if n else "") + json.dumps(k) + ":")
@@ -141,6 +143,42 @@ def write_merged(trace: dict[str, Any], path: str | os.PathLike, chunk: int = 20
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+class _BackgroundWriter:
+    """Text written through a thread: the write (and gzip's deflate) run without
+    the GIL, so on a second core they overlap the encoding of the next events."""
+
+    _QUEUED = 8  # chunks of megabytes: the memory it may hold
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._queue: queue.Queue[bytes | None] = queue.Queue(self._QUEUED)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rpc-observe-merge-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._raw.write(data)
+                except BaseException as e:  # raised in the encoding thread, at its next write or at close
+                    self._error = e
+
+    def write(self, text: str) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(text.encode("utf-8"))
+
+    def __enter__(self) -> _BackgroundWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise self._error
 
 
 def _write_events(f: Any, events: Iterable[dict[str, Any] | str], chunk: int) -> None:

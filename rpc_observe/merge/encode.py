@@ -25,7 +25,8 @@ _UP = tuple((r + 500) // 1000 for r in range(1000))
 _FRAC_UP = tuple(_FRAC[(r + 500) % 1000] for r in range(1000))
 
 # A lane is filled in as its '"pid":P,"tid":T' text (Span.lane).
-_MARK = '{"ph":"X","cat":"%s","name":"%%s",%%s,"ts":%%s%%s,"dur":%%s%%s,"args":{"span_id":"%%s"}}' % SPAN_CAT
+# A marker carries no args: its enclosing span slice has them (it is a third of the output's events).
+_MARK = '{"ph":"X","cat":"%s","name":"%%s",%%s,"ts":%%s%%s,"dur":%%s%%s}' % SPAN_CAT
 _FLOW = ('{"ph":"s","cat":"%s","name":"%%s","id":%%d,%%s,"ts":%%s%%s},'
          '{"ph":"f","bp":"e","cat":"%s","name":"%%s","id":%%d,%%s,"ts":%%s%%s}') % (FLOW_CAT, FLOW_CAT)
 
@@ -62,7 +63,7 @@ def rpc_events(index: SpanIndex, workers: list[str], main_pid: dict[str, int], t
         if meta:
             yield json.dumps(meta, separators=(",", ":"))[1:-1], len(meta)
         texts = ['"pid":%d,"tid":%d' % (main_pid[w], base_tid + k) for k in range(n_lanes)]
-        yield from _slices(group, zero[w], main_pid[w], texts, base_tid, timebase)
+        yield from _slices(group, zero[w], main_pid[w], texts, base_tid)
     yield from _pairs(index.pairs, first_flow_id)
 
 
@@ -70,8 +71,7 @@ _SLICE = '%s%s,"ts":%s%s,"dur":%s%s,"args":{"trace_id":"%s","span_id":"%s","kind
 _SLICE_CHILD = '%s%s,"ts":%s%s,"dur":%s%s,"args":{"trace_id":"%s","span_id":"%s","kind":"%s","parent_span_id":"%s"%s'
 
 
-def _slices(group: list[Span], zero_ns: int, pid: int, texts: list[str], base_tid: int,
-            timebase: Timebase) -> Iterator[tuple[str, int]]:
+def _slices(group: list[Span], zero_ns: int, pid: int, texts: list[str], base_tid: int) -> Iterator[tuple[str, int]]:
     """The slices of one lane group; sets each span's ``ts`` and ``lane``."""
     buf: list[str] = []
     append, frac = buf.append, _FRAC
@@ -81,11 +81,11 @@ def _slices(group: list[Span], zero_ns: int, pid: int, texts: list[str], base_ti
         s.ts = ts
         lane = s.lane = texts[s.tid - base_tid]
         if s.status_code == 2:
-            append(json.dumps(_error_slice(s, pid, ts / 1000, dur / 1000, timebase), separators=(",", ":")))
+            append(json.dumps(_error_slice(s, pid, ts / 1000, dur / 1000), separators=(",", ":")))
         else:
             site = parts.get(id(s.attrs))
             if site is None:
-                site = parts[id(s.attrs)] = _slice_parts(s, timebase)
+                site = parts[id(s.attrs)] = _slice_parts(s)
             head, kind, tail = site
             t_q, t_r = (ts // 1000, frac[ts % 1000]) if ts >= 0 else _us(ts)
             if s.parent_id:
@@ -117,8 +117,7 @@ def _pairs(pairs: list[tuple[Span, Span]], first_flow_id: int) -> Iterator[tuple
             qs0, rs0 = divmod(s0, 1000)
             qse, rse = divmod(se, 1000)
             buf.append(pair % (
-                cl, qc0 + 1, frac[rc0], c.span_id, cl, qce - 2, frac[rce], c.span_id,
-                sl, qs0 + 1, frac[rs0], s.span_id, sl, qse - 2, frac[rse], s.span_id,
+                cl, qc0 + 1, frac[rc0], cl, qce - 2, frac[rce], sl, qs0 + 1, frac[rs0], sl, qse - 2, frac[rse],
                 fid, cl, qc0 + 1 + up[rc0], frac_up[rc0], fid, sl, qs0 + 1 + up[rs0], frac_up[rs0],
                 fid + 1, sl, qse - 2 + up[rse], frac_up[rse], fid + 1, cl, qce - 2 + up[rce], frac_up[rce]))
             n += 8
@@ -147,37 +146,43 @@ def _markers(s: Span, first: str, last: str, out: list[str]) -> tuple[tuple, tup
         return mid, mid
     m = min(_MARKER_NS, dur // 8)
     a0, b0 = ts + m, ts + dur - 2 * m
-    out.append(_MARK % (first, s.lane, *_us(a0), *_us(m), s.span_id))
-    out.append(_MARK % (last, s.lane, *_us(b0), *_us(m), s.span_id))
+    out.append(_MARK % (first, s.lane, *_us(a0), *_us(m)))
+    out.append(_MARK % (last, s.lane, *_us(b0), *_us(m)))
     return _us(a0 + m // 2), _us(b0 + m // 2)
 
 
-def _common_args(s: Span, timebase: Timebase) -> dict[str, Any]:
+# Attributes every span of the run has alike, left out of the slices' args (a slice's name
+# is its profiling key, unless the spans are named by method: then the key stays).
+_SAME_ON_EVERY_SPAN = ("rpc.system", "rpc.system.name")
+
+
+def _common_args(s: Span) -> dict[str, Any]:
+    """A slice's args past its ids: a set status, and the span's attributes under their own names.
+    Each worker's clock offset is in the summary (``rpc_observe_merge.offsets_us``), not on every slice."""
     args: dict[str, Any] = {}
-    for key, name in (("rpc.method", "method"), ("torch.rpc.src", "src"),
-                      ("torch.rpc.dst", "dst"), ("torch.rpc.exec_mode", "exec_mode")):
-        if key in s.attrs:
-            args[name] = s.attrs[key]
-    args["status"] = {0: "UNSET", 1: "OK", 2: "ERROR"}.get(s.status_code, str(s.status_code))
-    args["clock_offset_us"] = round(timebase.offsets_us.get(s.worker, 0.0), 3)
-    args["attributes"] = s.attrs
+    if s.status_code:  # UNSET (0), the status of every successful call, is left out
+        args["status"] = {1: "OK", 2: "ERROR"}.get(s.status_code, str(s.status_code))
+    for key, value in s.attrs.items():
+        if key not in _SAME_ON_EVERY_SPAN and not (key == "torch.rpc.profiling_key" and value == s.name):
+            args.setdefault(key, value)
     return args
 
 
-def _slice_parts(s: Span, timebase: Timebase) -> tuple[str, str, str]:
+def _slice_parts(s: Span) -> tuple[str, str, str]:
     """What a call site's slices share, encoded: the event's head (up to its
     lane), its kind, and the rest of its args with the closing braces."""
     head = '{"ph":"X","cat":"%s","name":%s,' % (SPAN_CAT, json.dumps(s.name))
-    rest = json.dumps(_common_args(s, timebase), separators=(",", ":"))[1:]  # past the "{"
-    return head, "client" if s.kind == KIND_CLIENT else "server", "," + rest + "}"
+    args = _common_args(s)
+    rest = "," + json.dumps(args, separators=(",", ":"))[1:-1] if args else ""  # inside the braces
+    return head, "client" if s.kind == KIND_CLIENT else "server", rest + "}}"
 
 
-def _error_slice(s: Span, pid: int, ts: float, dur: float, timebase: Timebase) -> dict[str, Any]:
+def _error_slice(s: Span, pid: int, ts: float, dur: float) -> dict[str, Any]:
     kind = "client" if s.kind == KIND_CLIENT else "server"
     args: dict[str, Any] = {"trace_id": s.trace_id, "span_id": s.span_id, "kind": kind}
     if s.parent_id:
         args["parent_span_id"] = s.parent_id
-    args.update(_common_args(s, timebase))
+    args.update(_common_args(s))
     exc = [e for e in s.events if e.get("name") == "exception"]
     args["error"] = s.status_message or (exc[0].get("exception.message", "") if exc else "") or "error"
     if exc:
