@@ -313,7 +313,9 @@ def traffic(world):
         loss = rpc.rpc_sync("worker2", linear, args=(torch.ones(4, requires_grad=True), torch.ones(4))) + loss
         dist_autograd.backward(context_id, [loss])
         optimizer.step(context_id)
-    return {"fetched": fetched, "contexts_after": int(dist_autograd._get_debug_info()["num_autograd_contexts"])}
+    async_sum = rpc.rpc_async("worker1", async_add, args=(torch.ones(2), 1, 0.05)).wait()  # replied from a user thread
+    return {"fetched": fetched, "async": async_sum.tolist(),
+            "contexts_after": int(dist_autograd._get_debug_info()["num_autograd_contexts"])}
 
 
 _kept = []

@@ -16,6 +16,7 @@ def traffic(tmp_path_factory):
     result, scraped = cluster.scrape_held()
     results = cluster.wait()
     assert results[0]["fetched"] == [1000, 1001, 1002, 2, 2]  # what torch returned, unchanged
+    assert results[0]["async"] == [2.0, 2.0]
     return cluster, scraped, cluster.spans()
 
 
@@ -36,6 +37,19 @@ def test_to_here_is_a_client_span_and_a_client_call(traffic):
     fetched = 4 * (1000 + 1001 + 1002) + 2 * 4 * 4 + 2 * 4
     assert total(w0, "torch_rpc_tensor_storage_bytes_sum", method="RRef.to_here", direction="deserialize") == fetched
     assert total(w0, "torch_rpc_client_received_bytes_total", dst="worker1") >= fetched
+
+
+def test_the_owner_names_the_responses_it_pickles(traffic):
+    """An RRef fetch's reply as the caller names it, an async_execution UDF's reply by its method: none unknown."""
+    w1 = traffic[1]["worker1"]
+    sent = {"direction": "serialize", "message": "response"}
+    # Python values held by worker1's OwnerRRefs, fetched: 3 tensors, the dict, the weight twice (the builtin's
+    # tensor is a TorchScript value: torch sends it without the Python pickler)
+    assert total(w1, "torch_rpc_serialized_bytes_count", method="RRef.to_here", **sent) == 6
+    assert total(w1, "torch_rpc_tensor_storage_bytes_sum", method="RRef.to_here", **sent) == (
+        4 * (1000 + 1001 + 1002) + 2 * 4 * 4)
+    assert total(w1, "torch_rpc_serialized_bytes_count", method="async_add", **sent) == 1
+    assert total(w1, "torch_rpc_serialized_bytes_count", method="unknown", **sent) == 0
 
 
 def test_backward_and_optimizer_step_are_spans_and_parents(traffic):

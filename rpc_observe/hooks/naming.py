@@ -13,6 +13,9 @@ import torch
 
 _method_names: dict[Any, str] = {}
 _MAX_CACHED = 10_000
+# An RRef fetch (`RRef.to_here()`) is a C++ message with no Python function: this names it
+# on the caller (its client call) and on the owner (the response it pickles).
+RREF_FETCH = "RRef.to_here"
 
 
 def method_name(func: Any) -> str:

@@ -20,7 +20,7 @@ from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import MessageCells, fold_finished, fold_message
 from . import calls, trailer
-from .naming import is_proxy, method_name, proxy_method
+from .naming import RREF_FETCH, is_proxy, method_name, proxy_method
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
@@ -122,6 +122,15 @@ def _unknown_cells(runtime: Runtime, direction: str, message: str) -> MessageCel
     return cells
 
 
+def _fetch_reply_cells(runtime: Runtime) -> MessageCells:
+    """Cells of the responses an RRef's owner pickles for `RRef.to_here()`, named as the caller names them."""
+    key = ("serialize", RREF_FETCH)
+    cells = runtime.request_cells.get(key)
+    if cells is None:
+        cells = runtime.request_cells[key] = runtime.metrics.message_cells("serialize", "response", RREF_FETCH)
+    return cells
+
+
 class _IncomingUDF(PythonUDF):
     """A PythonUDF that also carries the caller's trailer fields to `_run_function`."""
 
@@ -164,7 +173,9 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
                 record = runtime.metrics.record if runtime.metrics is not None else None
                 tail = b""
             if record is not None:
-                cells = site.response_cells if reply is not None else _unknown_cells(runtime, "serialize", "response")
+                # Without a UDF run on this thread, a Python value torch pickles is an RRef fetch's reply:
+                # `serializePyObject` serves only UDF results and PythonRRefFetchCall (request_callback_impl.cpp).
+                cells = site.response_cells if reply is not None else _fetch_reply_cells(runtime)
                 logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
                 record((fold_message, cells, len(data), len(tensors), logical, traveling, seconds, None, 0))
             return (data + tail if tail else data), tensors

@@ -39,7 +39,7 @@ class ServerSite:
     """What every run of one function for one caller and mode shares: names, attributes, metric cells."""
 
     __slots__ = ("key", "span_name", "method", "src", "attributes", "record", "duration", "response_cells",
-                 "is_async", "replies")
+                 "is_async", "replies", "replies_later")
 
     def __init__(self, runtime: Runtime, func: Any, src: str, mode: str, named: str | None = None) -> None:
         torch_name = method_name(func) if func is not None else UNKNOWN
@@ -47,6 +47,7 @@ class ServerSite:
         self.src = src
         self.is_async = hasattr(func, "_wrapped_async_rpc_function")
         self.replies = mode != "remote" and not self.is_async  # a response is pickled on this thread
+        self.replies_later = mode != "remote" and self.is_async  # ... on the thread that completes its Future
         self.key = profiling_key(mode, self.method, src, runtime.worker)
         self.span_name = self.key if runtime.config.span_names == "key" else self.method
         torch_key = profiling_key(mode, torch_name, src, runtime.worker)
@@ -94,6 +95,9 @@ class Serving:
     def on_done(self, future: Any) -> None:
         error = future_error(future)
         try:
+            if error is None and self.site.replies_later:
+                # torch pickles the value in a callback it adds after this one, on this thread: name its response.
+                pending_replies[_thread_id()] = (self.site, "")
             self.finish(type(error).__name__ if error is not None else None,
                         str(error) if error is not None else None)
         except Exception:

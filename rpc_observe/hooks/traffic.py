@@ -25,6 +25,7 @@ from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import fold_message
 from .calls import Call, end_raised, local
 from .client import ClientSite
+from .naming import RREF_FETCH
 from .pickler import tensor_sizes
 
 _time_ns = time.time_ns
@@ -35,7 +36,7 @@ def _rref_fetch() -> None:
     """Stands for an RRef fetch in call-site keys and names: the fetch is a C++ message, no Python function."""
 
 
-_rref_fetch.__qualname__ = "RRef.to_here"
+_rref_fetch.__qualname__ = RREF_FETCH
 
 
 def _owner_name(rref: Any) -> str:
