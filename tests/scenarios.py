@@ -337,6 +337,39 @@ def failing_exit_peer():
     raise RuntimeError("the job failed here too")
 
 
+class _WaitAtFinalization:
+    """Held by a module global, so it is freed while the interpreter finalizes (after atexit): it waits
+    there for `future`, so that the reply reaches this process during finalization."""
+
+    def __init__(self, future, sleep=time.sleep, now=time.monotonic):
+        self.future, self.sleep, self.now = future, sleep, now
+
+    def __del__(self):
+        deadline = self.now() + 10
+        while not self.future.done() and self.now() < deadline:
+            self.sleep(0.01)
+
+
+_HELD = []
+
+
+def pending_at_exit(world):
+    """rank 0 leaves through an exception, without rpc.shutdown(), while a remote() call it made is still
+    running on worker1; its reply arrives while rank 0's interpreter finalizes (the pipeline example's exit)."""
+    t = torch.ones(4)
+    rref = rpc.remote("worker1", async_add, args=(t, 1, float(os.environ.get("SCENARIO_DELAY", "1.0"))))
+    _HELD.append(_WaitAtFinalization(rref._get_future()))
+    _touch(os.environ["SCENARIO_READY"] + "0")
+    raise RuntimeError("the job failed")
+
+
+def pending_at_exit_peer():
+    """worker1: serves the delayed remote() call, outlives rank 0, then fails too."""
+    _touch(os.environ["SCENARIO_READY"] + "1")
+    time.sleep(float(os.environ.get("SCENARIO_DELAY", "1.0")) + 3.0)
+    raise RuntimeError("the job failed here too")
+
+
 def sigterm(world):
     """rank 0: calls in flight, main thread blocked in C++, when the test SIGTERMs this process."""
     t = torch.ones(4)
@@ -504,6 +537,7 @@ SCENARIOS = {
     "sigterm": sigterm,
     "traffic": traffic,
     "failing_exit": failing_exit,
+    "pending_at_exit": pending_at_exit,
     "custom_pickler": custom_pickler,
     "rref_in_args": rref_in_args,
     "soak": soak,
@@ -550,6 +584,8 @@ def main() -> None:
     if name == "failing_exit" and rank != 0:
         os.environ["RANK_FOR_READY"] = str(rank)
         failing_exit_peer()
+    if name == "pending_at_exit" and rank != 0:
+        pending_at_exit_peer()
     result = SCENARIOS[name](world) if rank == 0 else {}
     hold = os.environ.get("SCENARIO_HOLD")
     if hold and rank == 0:

@@ -13,25 +13,27 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.rpc.api import RPCExecMode
 
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import fold_started
 from . import trailer
-from .calls import MAX_IN_FLIGHT, Call, end_raised, in_flight, local, next_id
+from .calls import MAX_IN_FLIGHT, Call, end_raised, future_error, in_flight, local, next_id
 from .naming import helper_target, is_internal, is_proxy, method_name, profiling_key, proxy_method, span_attributes
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
 
 _MAX_SITES = 10_000
+_SYNC = RPCExecMode.SYNC
 
 
 class ClientSite:
     """What every call of one function, mode and destination shares: names, attributes, metric cells."""
 
     __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "record", "cells", "started",
-                 "request_cells", "response_cells", "received", "trailer_head", "echoed")
+                 "request_cells", "response_cells", "received", "trailer_head", "echoed", "swept")
 
     def __init__(self, runtime: Runtime, func: Any, mode: str, dst: str, named: str | None = None,
                  target: str | None = None) -> None:
@@ -47,9 +49,14 @@ class ClientSite:
         self.trailer_head = trailer.request_head(runtime.worker, mode)
         # Only a Python function's response goes through the pickler, and only a plain
         # one's is pickled on the thread that ran it, where the callee can echo the id.
-        self.echoed = (mode != "remote" and not hasattr(func, "_wrapped_async_rpc_function")
-                       and torch.jit._builtins._find_builtin(func) is None
-                       and not isinstance(func, torch.jit.ScriptFunction))
+        torch_only = torch.jit._builtins._find_builtin(func) is not None or isinstance(func, torch.jit.ScriptFunction)
+        self.echoed = mode != "remote" and not hasattr(func, "_wrapped_async_rpc_function") and not torch_only
+        # torch completes these futures without Python (a remote() confirmation, a builtin's or TorchScript
+        # function's reply). A Python callback on one is freed by the pool thread that completes it, which must
+        # then take the GIL: while the interpreter finalizes, CPython 3.11 ends that thread with pthread_exit,
+        # and in torch's C++ frames that is std::terminate. So these calls take no callback: the sweep ends
+        # them, and an rpc_sync ends where its wait returns.
+        self.swept = mode == "remote" or torch_only
         metrics = runtime.metrics
         self.record = metrics.record if metrics else None
         self.cells = metrics.client_cells(self.method, mode, dst) if metrics else None
@@ -112,12 +119,39 @@ def _watch(call: Call, future: Any) -> Any:
             if len(in_flight) < MAX_IN_FLIGHT:
                 call.id = next_id()
                 in_flight[call.id] = call
-            future.add_done_callback(call.on_done)
+            if call.site.swept and call.id:  # no Python callback on a future torch completes alone (ClientSite)
+                call.future = future
+            else:
+                future.add_done_callback(call.on_done)
         if call.rf is not None:
             return call.runtime.profiler.client_end_on(call.rf, future)
     except Exception:
         health.internal_error("client_watch")
     return future
+
+
+class _EndsOnWait:
+    """What `_invoke_rpc` hands torch's `rpc_sync` (which only waits on it) for a swept call: the call ends
+    where the wait returns, as precisely as a callback would; any other use goes to torch's future."""
+
+    __slots__ = ("future", "call")
+
+    def __init__(self, future: Any, call: Call) -> None:
+        self.future, self.call = future, call
+
+    def wait(self) -> Any:
+        try:
+            return self.future.wait()
+        finally:
+            call = self.call
+            try:
+                if in_flight.pop(call.id, None) is not None:  # else a sweep or shutdown ended it already
+                    call.fail(future_error(self.future))
+            except Exception:
+                health.internal_error("client_wait")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.future, name)
 
 
 def wrap_invoke_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -151,7 +185,10 @@ def wrap_invoke_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
         if call.id and call.rf is None:  # its echoed response ends it
             call.future = future
             return future
-        return _watch(call, future)
+        watched = _watch(call, future)
+        if call.site.swept and call.future is not None and rpc_type is _SYNC:
+            return _EndsOnWait(watched, call)
+        return watched
 
     return _invoke_rpc
 
