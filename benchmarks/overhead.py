@@ -84,8 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--channels", default="basic",
                     help="TensorPipe channels, comma-separated, or 'default' for TensorPipe's own choice "
                          "(default basic: tensors inline over the transport)")
-    ap.add_argument("--configs", type=lambda t: t.split(","), metavar="A,C,...",
-                    help="only these configurations (a is always run: every ratio is to it)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--noop-calls", type=int)
     ap.add_argument("--big-calls", type=int)
@@ -145,14 +143,13 @@ def run(args: argparse.Namespace, mode: str, configs: list[str], p: dict[str, An
         result["rounds"] = res = sections.run_rounds(configs, p, rotate, not args.keep_pairs, tmp, transport,
                                                      channels, report.code_state)
         texts.append(show(report.rounds_table(res, configs)))
-        shown = [c for c in ("a", "a2", "b", "c", "cp", "d", "dp", "e", "h") if c in configs]
+        shown = [c for c in ("a", "a2", "b", "c", "d", "e", "h") if c in configs]
         texts.append(show(report.threads_table("Callee (server) CPU per call by thread, 8-thread rpc_async loop",
                                                {c: res["threads"][c]["thr"] for c in shown}, shown)))
         texts.append(show(report.threads_table("Callee (server) CPU per call by thread, no-op rpc_sync loop",
                                                {c: res["threads"][c]["noop"] for c in shown}, shown)))
     if mode in ("quick", "full", "saturation") and not args.no_saturation:
-        sat_configs = [c for c in SAT_CONFIGS if args.configs is None or c in configs] + (
-            [] if args.no_control else ["a2"])
+        sat_configs = SAT_CONFIGS + ([] if args.no_control else ["a2"])
         result["saturation"] = res = sections.run_saturation(sat_configs, p, rotate, tmp, transport, channels,
                                                              report.code_state)
         texts.append(show(report.saturation_table(res, sat_configs)))
@@ -208,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "quick":
         args.no_serialization = True
     configs = configs_for(mode, control=not args.no_control, profiler_baseline=args.profiler_baseline)
-    if args.configs is not None:
-        configs = [c for c in configs if c == "a" or c in args.configs]
     started = time.perf_counter()
     stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     result = report.new_result(mode, stamp, sys.argv if argv is None else [sys.argv[0], *argv])

@@ -47,10 +47,9 @@ def _patch_rpc(rpc: Any = None) -> None:
 
 def _start(worker: str, rank: int | None, world_size: int | None = None) -> None:
     """Starts this process's telemetry, with the hooks' torch-side parts attached."""
-    from . import __version__, hooks, hot_path
+    from . import hooks
 
     _runtime.start(_Settings.get(), worker, rank, world_size, setup=hooks.attach)
-    _logger.info("rpc_observe %s on %s: hot path %s", __version__, worker, hot_path())
 
 
 def _wrap_init_rpc(original: Callable[..., Any]) -> Callable[..., Any]:

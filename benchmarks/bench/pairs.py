@@ -45,12 +45,6 @@ ENVS: dict[str, dict[str, str]] = {
     "h": {},  # rpc_observe is not imported; the worker sets up the OpenTelemetry SDK itself
     "l": {},
 }
-# The same add-on with its per-RPC modules imported from the .py files (the fallback of an
-# install without a C compiler): the compiled hot path's gain, side by side.
-PURE = {"RPC_OBSERVE_NO_EXTENSIONS": "1"}
-for _c in ("c", "d"):
-    LABELS[_c + "p"] = LABELS[_c] + ", pure Python"
-    ENVS[_c + "p"] = {**ENVS[_c], **PURE}
 NO_SITE = ("a", "a2", "ap", "h", "l")  # started with `python -S`
 for _c in ("c", "d"):  # --profile: (c), (d) with the worker's in-situ self-timer (BENCH_SELF_TIME)
     LABELS[_c + "_t"] = LABELS[_c] + " + self-timer"
@@ -58,7 +52,7 @@ for _c in ("c", "d"):  # --profile: (c), (d) with the worker's in-situ self-time
 EXTRA_ENV: dict[str, dict[str, str]] = {}  # per config, for diagnostics (edit by hand)
 
 
-SAT_CONFIGS = ["a", "c", "d", "dp", "h"]  # the saturation section's groups (+ "a2" with the A/A control)
+SAT_CONFIGS = ["a", "c", "d", "h"]  # the saturation section's groups (+ "a2" with the A/A control)
 
 
 def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False) -> list[str]:
@@ -67,7 +61,7 @@ def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False
         return ["a", "d"]
     if mode == "profile":
         return ["a", "c", "d", "c_t", "d_t"]
-    return (["a", "b", "c", "cp", "d", "dp", "e", "h", "l"] + (["a2"] if control else [])
+    return (["a", "b", "c", "d", "e", "h", "l"] + (["a2"] if control else [])
             + (["ap"] if profiler_baseline else []))
 
 

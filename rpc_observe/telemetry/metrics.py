@@ -27,10 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .. import __version__, hot_path
 from . import health
-
-_HOT_PATH = hot_path()
 
 # 50 us .. 60 s, and 64 B .. 4 GiB (powers of 4).
 LATENCY_BUCKETS = (
@@ -373,11 +370,6 @@ class Metrics(Collector):
         )
         invalid.add_metric((self.worker,), health.invalid_contexts[0])
         yield invalid
-        info = GaugeMetricFamily("rpc_observe_build_info", "rpc_observe's version, and whether its per-RPC code runs "
-                                 "compiled or as Python (RPC_OBSERVE_NO_EXTENSIONS=1, or no C compiler at install).",
-                                 labels=("worker", "version", "hot_path"))
-        info.add_metric((self.worker, __version__, _HOT_PATH), 1)
-        yield info
 
     def _collect_agent(self) -> Iterator[Metric]:
         try:
