@@ -314,7 +314,12 @@ def traffic(world):
         dist_autograd.backward(context_id, [loss])
         optimizer.step(context_id)
     async_sum = rpc.rpc_async("worker1", async_add, args=(torch.ones(2), 1, 0.05)).wait()  # replied from a user thread
-    return {"fetched": fetched, "async": async_sum.tolist(),
+    # A builtin's rpc_sync has no done-callback (hooks/client.py, ClientSite.swept): it ends where its wait returns.
+    from rpc_observe.hooks.calls import in_flight
+
+    builtin = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 2))
+    left = [c.site.key for c in list(in_flight.values()) if c.site.swept and c.site.mode == "sync"]
+    return {"fetched": fetched, "async": async_sum.tolist(), "builtin": builtin.tolist(), "sync_left": left,
             "contexts_after": int(dist_autograd._get_debug_info()["num_autograd_contexts"])}
 
 

@@ -17,6 +17,8 @@ def traffic(tmp_path_factory):
     results = cluster.wait()
     assert results[0]["fetched"] == [1000, 1001, 1002, 2, 2]  # what torch returned, unchanged
     assert results[0]["async"] == [2.0, 2.0]
+    assert results[0]["builtin"] == [3.0, 3.0]
+    assert results[0]["sync_left"] == []  # ended where rpc_sync's wait returned, not by a later sweep
     return cluster, scraped, cluster.spans()
 
 
