@@ -115,7 +115,7 @@ def _watch(call: Call, future: Any) -> Any:
     try:
         if call.id:
             call.future = future
-        else:  # in the table too (room permitting), so that shutdown can end it; the callback takes it out
+        else:  # in the table too (room permitting), so that shutdown can end it; its callback or the sweep ends it
             if len(in_flight) < MAX_IN_FLIGHT:
                 call.id = next_id()
                 in_flight[call.id] = call

@@ -67,7 +67,7 @@ def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any
     if fields is not None and fields[trailer.KIND] == trailer.RESPONSE:  # not in flight (any more), or a hostile id
         if record is not None:
             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-            record((fold_message, _unknown_cells(runtime, "deserialize", "response"), size, len(tensors), logical,
+            record((fold_message, _message_cells(runtime, "deserialize", "response"), size, len(tensors), logical,
                     traveling, seconds, None, 0))
         return obj
     request = type(obj) is PythonUDF
@@ -84,7 +84,7 @@ def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any
             cells, peer_cell = fetch.response_cells, fetch.received
             _local.fetch = None  # counted here: the fetch wrapper must not count it again
         else:
-            cells = _unknown_cells(runtime, "deserialize", "request" if isinstance(obj, AttributeError) else "response")
+            cells = _message_cells(runtime, "deserialize", "request" if isinstance(obj, AttributeError) else "response")
         logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
         if peer_cell is not None:
             wire_bytes = len(data) + traveling
@@ -111,23 +111,13 @@ def _request_cells(runtime: Runtime, func: Any, args: Any = None) -> MessageCell
     return cells
 
 
-def _unknown_cells(runtime: Runtime, direction: str, message: str) -> MessageCells | None:
-    """Cells of messages that cannot be told apart: a response without an echo, an unpicklable request."""
-    if runtime.metrics is None:
-        return None
-    key = (direction, message)
+def _message_cells(runtime: Runtime, direction: str, message: str, method: str = _UNKNOWN) -> MessageCells:
+    """Cells of messages named without a call site: `unknown` (a response without an echo, an unpicklable
+    request), or an RRef fetch's reply on its owner (`RREF_FETCH`, as the caller names it)."""
+    key = (direction, message, method)
     cells = runtime.request_cells.get(key)
     if cells is None:
-        cells = runtime.request_cells[key] = runtime.metrics.message_cells(direction, message, _UNKNOWN)
-    return cells
-
-
-def _fetch_reply_cells(runtime: Runtime) -> MessageCells:
-    """Cells of the responses an RRef's owner pickles for `RRef.to_here()`, named as the caller names them."""
-    key = ("serialize", RREF_FETCH)
-    cells = runtime.request_cells.get(key)
-    if cells is None:
-        cells = runtime.request_cells[key] = runtime.metrics.message_cells("serialize", "response", RREF_FETCH)
+        cells = runtime.request_cells[key] = runtime.metrics.message_cells(direction, message, method)
     return cells
 
 
@@ -175,7 +165,8 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
             if record is not None:
                 # Without a UDF run on this thread, a Python value torch pickles is an RRef fetch's reply:
                 # `serializePyObject` serves only UDF results and PythonRRefFetchCall (request_callback_impl.cpp).
-                cells = site.response_cells if reply is not None else _fetch_reply_cells(runtime)
+                cells = (site.response_cells if reply is not None
+                         else _message_cells(runtime, "serialize", "response", RREF_FETCH))
                 logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
                 record((fold_message, cells, len(data), len(tensors), logical, traveling, seconds, None, 0))
             return (data + tail if tail else data), tensors

@@ -148,15 +148,15 @@ def _backward_workers(span: Any, args: tuple[Any, ...]) -> None:
     span.attributes = {**span.attributes, "torch.rpc.dist_autograd.workers": ",".join(map(str, workers))}
 
 
-def _context_attributes(args: tuple[Any, ...]) -> dict[str, Any]:
-    context_id = args[0] if args else None
-    return {"torch.rpc.dist_autograd.context_id": context_id} if isinstance(context_id, int) else {}
+def _context_id_at(index: int) -> Callable[[tuple[Any, ...]], dict[str, Any]]:
+    """The attributes of a call whose argument `index` is the distributed autograd context id."""
+
+    def attributes(args: tuple[Any, ...]) -> dict[str, Any]:
+        context_id = args[index] if len(args) > index else None
+        return {"torch.rpc.dist_autograd.context_id": context_id} if isinstance(context_id, int) else {}
+
+    return attributes
 
 
-def _step_attributes(args: tuple[Any, ...]) -> dict[str, Any]:
-    context_id = args[1] if len(args) > 1 else None
-    return {"torch.rpc.dist_autograd.context_id": context_id} if isinstance(context_id, int) else {}
-
-
-wrap_backward = _internal_span("dist_autograd.backward", _context_attributes, _backward_workers)
-wrap_optimizer_step = _internal_span("DistributedOptimizer.step", _step_attributes)
+wrap_backward = _internal_span("dist_autograd.backward", _context_id_at(0), _backward_workers)
+wrap_optimizer_step = _internal_span("DistributedOptimizer.step", _context_id_at(1))  # (self, context_id)
