@@ -326,22 +326,6 @@ def traffic(world):
 _kept = []
 
 
-def failing_exit(world):
-    """Traffic, then every rank leaves through an exception, without rpc.shutdown(), while scraped."""
-    t = torch.ones(4)
-    for i in range(50):
-        rpc.rpc_sync(f"worker{1 + i % (world - 1)}", add, args=(t, 1))
-    _touch(os.environ["SCENARIO_READY"] + "0")
-    time.sleep(float(os.environ.get("SCENARIO_LINGER", "1.0")))
-    raise RuntimeError("the job failed")
-
-
-def failing_exit_peer():
-    _touch(os.environ["SCENARIO_READY"] + str(int(os.environ.get("RANK_FOR_READY", "1"))))
-    time.sleep(float(os.environ.get("SCENARIO_LINGER", "1.0")) + 0.5)
-    raise RuntimeError("the job failed here too")
-
-
 class _WaitAtFinalization:
     """Held by a module global, so it is freed while the interpreter finalizes (after atexit): it waits
     there for `future`, so that the reply reaches this process during finalization."""
@@ -365,6 +349,7 @@ def pending_at_exit(world):
     rref = rpc.remote("worker1", async_add, args=(t, 1, float(os.environ.get("SCENARIO_DELAY", "1.0"))))
     _HELD.append(_WaitAtFinalization(rref._get_future()))
     _touch(os.environ["SCENARIO_READY"] + "0")
+    time.sleep(float(os.environ.get("SCENARIO_LINGER", "0")))  # scraped meanwhile
     raise RuntimeError("the job failed")
 
 
@@ -541,7 +526,6 @@ SCENARIOS = {
     "death": death,
     "sigterm": sigterm,
     "traffic": traffic,
-    "failing_exit": failing_exit,
     "pending_at_exit": pending_at_exit,
     "custom_pickler": custom_pickler,
     "rref_in_args": rref_in_args,
@@ -586,9 +570,6 @@ def main() -> None:
         _break_telemetry()
     if name == "sigterm" and rank == 1:
         sigterm_peer()
-    if name == "failing_exit" and rank != 0:
-        os.environ["RANK_FOR_READY"] = str(rank)
-        failing_exit_peer()
     if name == "pending_at_exit" and rank != 0:
         pending_at_exit_peer()
     result = SCENARIOS[name](world) if rank == 0 else {}

@@ -1,4 +1,4 @@
-"""A failing job exits cleanly while its endpoints are scraped: no C++ abort at interpreter exit.
+"""A failing job exits cleanly while its endpoint is scraped: no C++ abort at interpreter exit.
 
 The abort the PyTorch pipeline example showed (15 of 15 exits with the add-on on): a Python
 done-callback of the add-on on a remote() future whose reply arrived while the interpreter
@@ -33,14 +33,17 @@ def _scrape_until(stop: threading.Event, targets: dict[str, str], counts: dict[s
 
 
 @pytest.mark.parametrize("round_", range(3))
-def test_a_failing_job_exits_cleanly_while_scraped(tmp_path, round_):
+def test_a_reply_arriving_while_the_interpreter_finalizes_aborts_nothing(tmp_path, round_):
+    """Scraped every 20 ms until it exits, as the pipeline example was; the reply comes 0.5 s after rank 0 began
+    to exit. Without the fix all 3 rounds abort (-6) on torch 2.14.1; on 2.13.0 none does (CI runs both)."""
     ready = tmp_path / "ready"
-    env = {"RPC_OBSERVE": "1", "SCENARIO_READY": str(ready), "PYTHONFAULTHANDLER": "1"}
-    cluster = Cluster(tmp_path, "failing_exit", world=3, env=env)
+    env = {"RPC_OBSERVE": "1", "SCENARIO_READY": str(ready), "PYTHONFAULTHANDLER": "1",
+           "SCENARIO_LINGER": "1.0", "SCENARIO_DELAY": "1.5"}
+    cluster = Cluster(tmp_path, "pending_at_exit", world=2, env=env)
     stop, counts = threading.Event(), {"ok": 0, "failed": 0}
     try:
         deadline = time.monotonic() + 60
-        while not all(Path(f"{ready}{r}").exists() for r in range(3)):
+        while not all(Path(f"{ready}{r}").exists() for r in range(2)):
             assert time.monotonic() < deadline, "the job never got ready"
             time.sleep(0.05)
         scraper = threading.Thread(target=_scrape_until, args=(stop, cluster.targets(), counts))
@@ -50,22 +53,7 @@ def test_a_failing_job_exits_cleanly_while_scraped(tmp_path, round_):
         stop.set()
         cluster.kill()
     scraper.join()
-    assert counts["ok"] > 10  # the endpoints were scraped through the job's last second
-    for rank, code in enumerate(codes):
-        log = cluster.log(rank)
-        assert not [a for a in ABORTS if a in log], log[-3000:]
-        assert code == 1, f"rank {rank} exited {code}: {log[-3000:]}"  # the job's own exception, as without the add-on
-        assert "the job failed" in log and "internal error" not in log
-
-
-@pytest.mark.parametrize("round_", range(3))
-def test_a_reply_arriving_while_the_interpreter_finalizes_aborts_nothing(tmp_path, round_):
-    env = {"RPC_OBSERVE": "1", "SCENARIO_READY": str(tmp_path / "ready"), "PYTHONFAULTHANDLER": "1"}
-    cluster = Cluster(tmp_path, "pending_at_exit", world=2, env=env)
-    try:
-        codes = [proc.wait(timeout=60) for proc in cluster.procs]
-    finally:
-        cluster.kill()
+    assert counts["ok"] > 10  # rank 0's endpoint was scraped through its last second
     log = cluster.log(0)
     assert not [a for a in ABORTS if a in log], log[-3000:]
     # -6 (SIGABRT) or -11 (a thread killed inside the callback, then a crash): the exit code shows what

@@ -61,6 +61,8 @@ def test_backward_and_optimizer_step_are_spans_and_parents(traffic):
     assert backward["attrs"]["torch.rpc.dist_autograd.workers"] == "1,2"  # the workers the context reached
     (step,) = [s for s in spans if s["name"] == "DistributedOptimizer.step"]
     assert step["kind"] == INTERNAL
+    context_id = backward["attrs"]["torch.rpc.dist_autograd.context_id"]  # one context, both calls (OTLP intValue)
+    assert int(context_id) >= 0 and step["attrs"]["torch.rpc.dist_autograd.context_id"] == context_id
     children = [s for s in spans if s.get("parentSpanId") == step["spanId"]]
     assert len(children) == 1 and children[0]["attrs"]["rpc.method"].endswith("_local_optimizer_step")
     assert children[0]["attrs"]["torch.rpc.internal"] is False  # the user's work, carried by torch
