@@ -137,6 +137,17 @@ def _number(env: Mapping[str, str], name: str, default: Any, low: float, high: f
     return number / scale if number is not None and scale != 1 else number
 
 
+def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default: str, accepted: str,
+            lower: bool = True) -> str:
+    """One of `allowed` (`accepted` says what they mean, in the warning), else `default`."""
+    value = (env.get(name) or default).strip()
+    value = value.lower() if lower else value
+    if value in allowed:
+        return value
+    _warn(name, value, f"{accepted}; using {default}")
+    return default
+
+
 def _choices(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
     value = env.get(name)
     if value is None or value.strip() == "":
@@ -157,14 +168,9 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         exporters = ()
     protocol_variable = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
                               if env.get(v)), "OTEL_EXPORTER_OTLP_PROTOCOL")
-    protocol = env.get(protocol_variable) or "http/protobuf"
-    if protocol not in _OTLP_PROTOCOLS:
-        _warn(protocol_variable, protocol, f"{' or '.join(_OTLP_PROTOCOLS)}; using http/protobuf")
-        protocol = "http/protobuf"
-    sampler = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
-    if sampler not in _SAMPLERS:
-        _warn("OTEL_TRACES_SAMPLER", sampler, f"one of {', '.join(_SAMPLERS)}; using parentbased_always_on")
-        sampler = "parentbased_always_on"
+    protocol = _choice(env, protocol_variable, _OTLP_PROTOCOLS, "http/protobuf", " or ".join(_OTLP_PROTOCOLS),
+                       lower=False)
+    sampler = _choice(env, "OTEL_TRACES_SAMPLER", _SAMPLERS, "parentbased_always_on", f"one of {', '.join(_SAMPLERS)}")
     ratio, rate = 1.0, 10.0
     if sampler.endswith("traceidratio"):
         ratio = _number(env, "OTEL_TRACES_SAMPLER_ARG", 1.0, 0.0, 1.0, kind=float)
@@ -179,17 +185,12 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
             _warn(RPC_OBSERVE_SPANS_FILE_BYTES, given,
                   f"at most {RPC_OBSERVE_SPANS_MAX_BYTES} ({spans_max_bytes}) when a cap is set; using {fitted}")
         spans_file_bytes = fitted
-    span_names = (env.get(RPC_OBSERVE_SPAN_NAMES) or "key").strip().lower()
-    if span_names not in ("key", "method"):
-        _warn(RPC_OBSERVE_SPAN_NAMES, span_names, "key (torch's profiling key) or method ({rpc.method}); using key")
-        span_names = "key"
+    span_names = _choice(env, RPC_OBSERVE_SPAN_NAMES, ("key", "method"), "key",
+                         "key (torch's profiling key) or method ({rpc.method})")
     addr = (env.get(RPC_OBSERVE_METRICS_ADDR) or "127.0.0.1").strip()
-    peer_labels = (env.get(RPC_OBSERVE_PEER_LABELS) or "counters").strip().lower()
-    if peer_labels not in _PEER_LABELS:
-        _warn(RPC_OBSERVE_PEER_LABELS, peer_labels,
-              "counters (peers on the per-peer counters only) or histograms (also on the latency histograms); "
-              "using counters")
-        peer_labels = "counters"
+    peer_labels = _choice(env, RPC_OBSERVE_PEER_LABELS, _PEER_LABELS, "counters",
+                          "counters (peers on the per-peer counters only) or histograms (also on the latency "
+                          "histograms)")
     return Config(
         out_dir=env.get(RPC_OBSERVE_DIR) or "rpc_observe_out",
         run_id=env.get(RPC_OBSERVE_RUN_ID) or env.get("TORCHELASTIC_RUN_ID") or "",
