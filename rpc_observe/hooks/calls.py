@@ -6,11 +6,13 @@ A call starts in `client` (a `Call` per call), gets an id when its request is pi
 `ClientSite.echoed`) and ends in exactly one of these ways, all through `Call.finish`:
 - its echoed response is unpickled (`pickler.deserialize`, the common case; the
   successful, unprofiled ending is done inline there with these names);
-- a done-callback (`Call.on_done`), for calls whose responses carry no echo (builtins,
-  TorchScript, async_execution functions, `remote`);
+- a done-callback (`Call.on_done`), for Python calls whose responses carry no echo
+  (async_execution functions, a peer without rpc_observe);
+- where an `rpc_sync`'s wait returns (`client._EndsOnWait`), for a builtin or TorchScript
+  function: these, and `remote`, never take a Python callback (`ClientSite.swept`);
 - `end_unfinished`, at rpc.shutdown(), exit and SIGTERM, with error.type=shutdown;
-- `sweep`, for calls that completed without an echoed response: a timeout, a lost peer,
-  or a peer without rpc_observe (whose call sites then stop waiting for echoes);
+- `sweep`, for calls that completed without an echoed response: the swept ones, a timeout,
+  a lost peer, or a peer without rpc_observe (whose call sites then stop waiting for echoes);
 - `end_raised`, when torch raised before the call had a future.
 The callee's half of the echo is `pending_replies`: `server` leaves the caller's call id
 there for the thread that pickles the UDF's response.
@@ -114,8 +116,9 @@ def end_raised(call: Call, error: BaseException) -> None:
 
 
 def sweep() -> None:
-    """Ends the calls that completed without an echoed response: failed ones, and replies of peers
-    without rpc_observe (their call sites stop waiting for an echo).
+    """Ends the calls that completed without an echoed response: swept ones (`remote`, builtins and
+    TorchScript functions via `rpc_async`), failed ones, and replies of peers without rpc_observe
+    (their call sites stop waiting for an echo).
 
     One sweep at a time, so that a scrape that sweeps first also sees what a concurrent
     sweep (the housekeeping thread's) has taken out of `in_flight` but not yet recorded.
@@ -126,7 +129,7 @@ def sweep() -> None:
             if future is None or not future.done() or in_flight.pop(call_id, None) is None:
                 continue
             error = future_error(future)
-            if error is None:
+            if error is None and call.site.echoed:  # a reply without an echo: a peer without rpc_observe
                 call.site.echoed = False
             try:
                 call.fail(error)
