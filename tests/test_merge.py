@@ -624,3 +624,37 @@ def test_bad_limits_are_refused(capsys):
             M.main(args)
         assert exc.value.code == 2
     assert "--max-spans" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", [[], ["--max-spans", "50"], ["--since", "0.02", "--until", "0.05"]],
+                         ids=["all", "max-spans", "window"])
+def test_span_files_read_in_processes_merge_as_read_here(tmp_path, raw_trace, capsys, monkeypatch, limit):
+    """A large run's span files are read by worker processes (real spawned ones here: the size
+    threshold is lowered, and this process could not read them); the output is byte for byte
+    the one read in this process."""
+    from rpc_observe.merge import parallel
+
+    build_run(tmp_path / "out", raw_trace)
+    rotate(tmp_path / "out" / "spans" / f"worker0-{OS_PIDS['worker0']}.jsonl", 3)  # one stream of three files
+    here, there = tmp_path / "here.json", tmp_path / "there.json"
+    assert run_main(capsys, tmp_path / "out", "-o", here, "-j", "1", *limit)[0] == 0
+    monkeypatch.setattr(parallel, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(parallel, "SpanReader", None)  # in this process only: the spawned readers have theirs
+    rc, err = run_main(capsys, tmp_path / "out", "-o", there, "-j", "2", *limit)
+    assert rc == 0, err
+    assert there.read_bytes() == here.read_bytes()
+
+
+def test_a_pool_that_cannot_start_reads_in_this_process(tmp_path, raw_trace, capsys, monkeypatch):
+    from rpc_observe.merge import parallel
+
+    def no_processes(*a, **k):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    build_run(tmp_path / "out", raw_trace)
+    here, there = tmp_path / "here.json", tmp_path / "there.json"
+    assert run_main(capsys, tmp_path / "out", "-o", here, "-j", "1")[0] == 0
+    monkeypatch.setattr(parallel, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(parallel, "ProcessPoolExecutor", no_processes)
+    assert run_main(capsys, tmp_path / "out", "-o", there, "-j", "2")[0] == 0
+    assert there.read_bytes() == here.read_bytes()

@@ -93,11 +93,14 @@ def merge(
     log: Callable[[str], None] | None = None,
     limits: Limits | None = None,
     stream: bool = False,
+    jobs: int = 1,
 ) -> MergeResult:
     """Load and merge the inputs; ``result.trace`` is the Chrome-trace dict
     (``None`` when nothing was usable).  ``log`` gets one line per note.
     ``limits`` say what to keep of a very large run; what they left out is in
-    the summary's ``cut`` (None if nothing).
+    the summary's ``cut`` (None if nothing).  ``jobs`` > 1 reads a large run's
+    span files in that many processes (the caller's main module must then be
+    importable without side effects, as for :mod:`multiprocessing`).
 
     With ``stream``, ``trace["traceEvents"]`` is a one-shot iterator for
     :func:`write_merged`, and the summary is complete once it is written."""
@@ -106,7 +109,7 @@ def merge(
         files, skipped = collect_inputs(paths)
         traces, span_inputs = load_inputs(files, exclude, log, skipped)
         run_id, traces = select_run(run_id, traces, span_inputs, skipped)
-        span_inputs, sink = read_spans(span_inputs, traces, run_id, limits or Limits(), skipped)
+        span_inputs, sink = read_spans(span_inputs, traces, run_id, limits or Limits(), skipped, jobs)
         run = resolve_workers(traces, span_inputs, sink)
         if run is None:
             return MergeResult(None, skipped, None, [])
@@ -225,9 +228,11 @@ def _parser() -> argparse.ArgumentParser:
               "or @UNIX_SECONDS (e.g. @1790000000.25); on each worker's own clock")
     ap.add_argument("--since", type=_bound, metavar="T", help="start of the window: " + window)
     ap.add_argument("--until", type=_bound, metavar="T", help="end of the window (see --since)")
-    ap.add_argument("--max-spans", type=_count, metavar="N",
+    ap.add_argument("--max-spans", type=_at_least_one("spans"), metavar="N",
                     help="keep at most N spans: the newest (latest start), the older ones are left out; "
                          "memory stays bounded by N")
+    ap.add_argument("-j", "--jobs", type=_at_least_one("processes"), metavar="N", default=_default_jobs(),
+                    help="processes that read a large run's span files (default: the CPUs, at most 4)")
     ap.add_argument("-q", "--quiet", action="store_true", help="only report problems and cuts")
     return ap
 
@@ -240,14 +245,21 @@ def _bound(text: str) -> TimeBound:
             f"{text!r}: seconds after the run's first event (120.5) or @unix seconds (@1790000000.25)") from None
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of spans, at least 1")
-    return n
+def _default_jobs() -> int:
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _at_least_one(what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: a number of {what}, at least 1")
+        return n
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
     limits = Limits(args.since, args.until, args.max_spans)
     result = merge(paths, run_id=args.run_id, exclude=[args.output], log=None if args.quiet else say,
-                   limits=limits, stream=True)
+                   limits=limits, stream=True, jobs=args.jobs)
     for s in result.skipped:
         say(f"skipped {s.file}: {s.reason}")
     if result.trace is None:

@@ -19,7 +19,8 @@ from .files import is_span_file, natural, read_text, span_streams, trace_stem
 from .limits import Limits, SpanSink
 from .model import BadInput, IgnoredInput, RunInputs, Skipped, SpanInput, TraceInput, json_error
 from .otlp import to_int
-from .spanfile import SpanReader, earliest_start_ns, peek_run_id
+from .parallel import read_streams
+from .spanfile import earliest_start_ns, peek_run_id
 
 # Kineto categories recorded by the profiled process itself (not by a GPU).
 _CPU_CATS = {"cpu_op", "python_function", "user_annotation", "cpu_instant_event", "rpc_observe"}
@@ -153,19 +154,17 @@ def select_run(run_id: str | None, traces: list[TraceInput], span_inputs: list[S
 
 
 def read_spans(span_inputs: list[SpanInput], traces: list[TraceInput], run_id: str | None, limits: Limits,
-               skipped: list[Skipped]) -> tuple[list[SpanInput], SpanSink]:
-    """Stream the run's spans into a :class:`SpanSink`; returns the streams that
-    gave something, and the sink."""
+               skipped: list[Skipped], jobs: int = 1) -> tuple[list[SpanInput], SpanSink]:
+    """Stream the run's spans into a :class:`SpanSink` (a large run's in ``jobs``
+    processes); returns the streams that gave something, and the sink."""
     run_start = None
     if limits.relative:  # a window relative to the run's first event: find it first
         starts = [earliest_start_ns(si) for si in span_inputs]
         starts += [t.base_ns + int((t.min_ts or 0) * 1000) for t in traces]
         run_start = min((s for s in starts if s is not None), default=None)
     sink = SpanSink(limits, run_start)
-    reader = SpanReader(sink.add_many, run_id)
     kept: list[SpanInput] = []
-    for si in span_inputs:
-        reader.read(si)
+    for si in read_streams(span_inputs, run_id, sink, jobs):
         # run_ids counts the spans read per run id (None: spans without one, always merged)
         others = {r: n for r, n in si.run_ids.items() if r not in (None, run_id)} if run_id else {}
         mine = sum(si.run_ids.values()) - sum(others.values())
