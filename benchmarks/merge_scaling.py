@@ -11,6 +11,7 @@ Run by hand (the 1M-span input is about 0.6 GB, and is deleted afterwards)::
     .venv/bin/python benchmarks/merge_scaling.py                        # 10k, 100k, 1M spans
     .venv/bin/python benchmarks/merge_scaling.py --sizes 100000 --profile
     .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --rotate 3 --merge-args=--max-spans=100000
+    .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --compare=-j1 --rounds 3   # side by side
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pstats
 import random
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,34 +175,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, deleted)")
     ap.add_argument("--merge-args", default="", help="extra arguments for rpc-observe merge")
     ap.add_argument("--profile", action="store_true", help="also cProfile the merge of each size")
+    ap.add_argument("--compare", action="append", default=[], metavar="ARGS",
+                    help="merge each size also with these extra arguments (repeatable, e.g. --compare=-j1), "
+                         "alternating with the plain merge on the same input")
+    ap.add_argument("--rounds", type=int, default=1, help="merges per variant and size, alternating (median shown)")
     args = ap.parse_args(argv)
     extra = shlex.split(args.merge_args)
+    variants = [args.merge_args] + args.compare
     work = Path(args.dir or tempfile.mkdtemp(prefix="merge_scaling_"))
     rows = []
     try:
         for n in (int(s) for s in args.sizes.split(",")):
             inputs, output = work / f"spans-{n}", work / f"merged-{n}.json"
             size_in = generate(inputs, n, args.rotate)
-            wall, cpu, rss, err = run_merge(inputs, output, ["-q", *extra])
-            rows.append((n, size_in, output.stat().st_size, wall, cpu, rss))
-            if err.strip():
-                print(err.strip(), file=sys.stderr)
+            runs: dict[str, list[tuple[float, float, int]]] = {v: [] for v in variants}
+            for _ in range(args.rounds):
+                for v in variants:
+                    wall, cpu, rss, err = run_merge(inputs, output, ["-q", *shlex.split(v)])
+                    runs[v].append((wall, cpu, rss))
+                    size_out = output.stat().st_size
+                    output.unlink()
+                    if err.strip():
+                        print(err.strip(), file=sys.stderr)
+            for v in variants:
+                walls = sorted(r[0] for r in runs[v])
+                wall = statistics.median(walls)
+                cpu = statistics.median(r[1] for r in runs[v])
+                rss = max(r[2] for r in runs[v])
+                rows.append((n, v, size_in, size_out, wall, walls, cpu, rss))
             if args.profile:
                 profile_merge(inputs, output, extra)
+                output.unlink()
             shutil.rmtree(inputs)
-            output.unlink()
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"rpc-observe merge, {WORKERS} workers, {BATCH} spans a line, {args.rotate} file(s) a worker"
-          + (f", merge args: {args.merge_args}" if args.merge_args else ""))
-    print("| spans | input MB | output MB | wall s | CPU s | spans/s (wall) | spans/s (CPU) | peak RSS MB "
-          "| RSS / output |")
-    print("|------:|---------:|----------:|-------:|------:|---------------:|--------------:|------------:"
+    print(f"rpc-observe merge, {WORKERS} workers, {BATCH} spans a line, {args.rotate} file(s) a worker, "
+          f"{args.rounds} round(s) a variant (median; variants alternate on the same input)")
+    print("| spans | merge args | input MB | output MB | wall s | runs s | CPU s | spans/s (wall) | spans/s (CPU) "
+          "| peak RSS MB | RSS / output |")
+    print("|------:|---|---------:|----------:|-------:|---|------:|---------------:|--------------:|------------:"
           "|-------------:|")
-    for n, size_in, size_out, wall, cpu, rss in rows:
-        print(f"| {n:,} | {size_in / 1e6:,.1f} | {size_out / 1e6:,.1f} | {wall:.2f} | {cpu:.2f} | {n / wall:,.0f} "
-              f"| {n / cpu:,.0f} | {rss / 1e6:,.0f} | {rss / max(size_out, 1):.2f} |")
+    for n, v, size_in, size_out, wall, walls, cpu, rss in rows:
+        print(f"| {n:,} | {v or '(default)'} | {size_in / 1e6:,.1f} | {size_out / 1e6:,.1f} | {wall:.2f} "
+              f"| {', '.join(f'{w:.2f}' for w in walls)} | {cpu:.2f} | {n / wall:,.0f} | {n / cpu:,.0f} "
+              f"| {rss / 1e6:,.0f} | {rss / max(size_out, 1):.2f} |")
     return 0
 
 
