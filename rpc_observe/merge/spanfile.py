@@ -145,12 +145,12 @@ class SpanReader:
         fallback = span_worker(res, Site("", 0, {}, None), path)  # a span's own route comes first
         for p in pieces:
             m = match(p)
-            if m is not None and p.endswith(_OK):
-                site_text = p[m.end():-ok_len]
-                site = sites.get(site_text)
-                if site is None:
-                    site = sites[site_text] = _decode(site_text, _site_of) or _NO_SITE
-                if site is not _NO_SITE:
+            if m is not None:
+                tail = p[m.end():]  # a call site and an OK status: the key, so a hit needs no test of the status
+                site = sites.get(tail)
+                if site is None and tail.endswith(_OK):
+                    site = sites[tail] = _decode(tail[:-ok_len], _site_of) or _NO_SITE
+                if site is not None and site is not _NO_SITE:
                     trace_id, span_id, parent, start, end = m.groups()
                     start_ns, end_ns = int(start), int(end)
                     if start_ns > 0:
