@@ -20,12 +20,12 @@ from the RPC pairs (see :mod:`rpc_observe.merge.clock`) and reported in the
 top-level ``rpc_observe_merge`` key and on stderr.
 
 The stages: :mod:`.inputs` loads the files (:mod:`.files` finds them,
-:mod:`.spanfile` streams the span files through the limits of
-:mod:`.limits`), keeps one run and names the workers; :mod:`.timeline`
-aligns the clocks and produces the merged events (profiler events via
-:mod:`.kineto`, RPC slices and flows via :mod:`.rpc`) as they are written.
-This module runs them and writes the result.  The package uses the Python
-standard library only.
+:mod:`.spanfile` streams the span files through the limits of :mod:`.limits`,
+in reader processes of :mod:`.parallel` for a large run), keeps one run and
+names the workers; :mod:`.timeline` aligns the clocks and produces the merged
+events (profiler events via :mod:`.kineto`, RPC slices and flows via
+:mod:`.rpc`) as they are written.  This module runs them and writes the
+result.  The package uses the Python standard library only.
 """
 
 from __future__ import annotations
