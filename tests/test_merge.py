@@ -291,6 +291,46 @@ def test_merge_aligns_workers_and_links_rpcs(tmp_path, raw_trace, capsys):
     assert min(e["ts"] for e in ev if "ts" in e and e.get("ph") != "M") >= -0.01
 
 
+def test_short_calls_bind_flows_inside_their_slices(tmp_path, capsys):
+    """Server spans of 0.4, 1, 5 and 9 us (no marker, short markers, full markers):
+    each flow end lies on its span's lane, inside its slice (and inside a marker
+    where there is one); a second server span claiming the same client is drawn
+    but not paired, so every flow id still has one start and one end."""
+    rpcs = make_rpcs(1_790_000_000_000_000_000, n=8, seed=9)
+    for (c, s), work in zip(rpcs, [400, 1000, 5000, 9000, 400, 1000, 5000, 9000]):
+        s["end"] = s["start"] + work
+        c["end"] = s["end"] + 50_000
+    twin = dict(rpcs[0][1], spanId="00000000000000aa")
+    per_worker = defaultdict(list)
+    for c, s in rpcs:
+        per_worker[c["worker"]].append(c)
+        per_worker[s["worker"]].append(s)
+    per_worker[twin["worker"]].append(twin)
+    for w, spans in per_worker.items():
+        write_span_file(tmp_path / "spans" / f"{w}-{OS_PIDS[w]}.jsonl", w, spans)
+    out = tmp_path / "m.json"
+    assert run_main(capsys, tmp_path / "spans", "-o", out)[0] == 0
+    doc = json.loads(out.read_text())
+    ev = doc["traceEvents"]
+    assert doc["rpc_observe_merge"]["rpc"]["pairs"] == len(rpcs)
+    slices = span_slices(doc)
+    assert "00000000000000aa" in slices
+    flows = [e for e in ev if e.get("cat") == FLOW_CAT]
+    ids = Counter((e["id"], e["ph"]) for e in flows)
+    assert len(ids) == 4 * len(rpcs) and set(ids.values()) == {1}
+    markers = [e for e in ev if e.get("cat") == SPAN_CAT and e.get("ph") == "X" and "args" not in e]
+    for f in flows:
+        inside = [x for x in slices.values() if (x["pid"], x["tid"]) == (f["pid"], f["tid"])
+                  and x["ts"] <= f["ts"] <= x["ts"] + x["dur"]]
+        assert len(inside) == 1, f
+        work = inside[0]["dur"]
+        held = [m for m in markers if (m["pid"], m["tid"]) == (f["pid"], f["tid"])
+                and m["ts"] <= f["ts"] <= m["ts"] + m["dur"]]
+        assert len(held) == (0 if work < 1 else 1), (work, f)
+        if 1 <= work < 8:
+            assert held[0]["dur"] == pytest.approx(round(work * 1000) // 8 / 1000)
+
+
 def test_bad_inputs_are_reported_and_the_rest_merged(tmp_path, raw_trace, capsys):
     root = tmp_path / "out"
     build_run(root, raw_trace)

@@ -1,6 +1,10 @@
 """The RPC events of the merged trace, JSON-encoded as they are made: each
-span's slice, and each pair's send/receive markers and flow arrows.
+span's slice, and, for a span of an RPC pair, its send/receive markers and
+its ends of the pair's two flow arrows.
 
+Everything is made in one pass over each lane group, span by span, so that a
+span is read once and in the order it lies in memory: the pair's other span is
+not looked up, only the pair's number (``Span.pair``), which gives both flow ids.
 What a call site's slices share (name, process, attributes) is encoded once.
 Times are integer ns until written, and printed by table as microseconds
 exactly as ``json.dumps(ns / 1000)`` would print them: the float formatting
@@ -18,27 +22,41 @@ from .rpc import FLOW_CAT, MARKER_US, SPAN_CAT, SpanIndex, assign_lanes, lane_me
 
 _CHUNK = 4096  # items a chunk
 _MARKER_NS = round(MARKER_US * 1000)
+_LONG_NS = 8 * _MARKER_NS  # a slice this long has full 1 us markers
 # ns % 1000 -> the decimals of the us value as repr() prints them: 0 -> ".0", 780 -> ".78".
 _FRAC = tuple("." + (f"{r:03d}".rstrip("0") or "0") for r in range(1000))
 # For x = q * 1000 + r:  x + 1500 -> (q + 1 + _UP[r], _FRAC_UP[r]);  x - 1500 -> (q - 2 + _UP[r], _FRAC_UP[r]).
 _UP = tuple((r + 500) // 1000 for r in range(1000))
 _FRAC_UP = tuple(_FRAC[(r + 500) % 1000] for r in range(1000))
 
-# A lane is filled in as its '"pid":P,"tid":T' text (Span.lane).
+# A lane is filled in as its '"pid":P,"tid":T' text.
 # A marker carries no args: its enclosing span slice has them (it is a third of the output's events).
 _MARK = '{"ph":"X","cat":"%s","name":"%%s",%%s,"ts":%%s%%s,"dur":%%s%%s}' % SPAN_CAT
-_FLOW = ('{"ph":"s","cat":"%s","name":"%%s","id":%%d,%%s,"ts":%%s%%s},'
-         '{"ph":"f","bp":"e","cat":"%s","name":"%%s","id":%%d,%%s,"ts":%%s%%s}') % (FLOW_CAT, FLOW_CAT)
+_FLOW_START = '{"ph":"s","cat":"%s","name":"%%s","id":%%d,%%s,"ts":%%s%%s}' % FLOW_CAT
+_FLOW_END = '{"ph":"f","bp":"e","cat":"%s","name":"%%s","id":%%d,%%s,"ts":%%s%%s}' % FLOW_CAT
+_REQUEST, _REPLY = "rpc request", "rpc reply"
+# What each side of a pair draws: (first marker, last marker), and the flow ends
+# bound to them: the request flow's (id) at the first, the reply flow's (id + 1) at the last.
+_CLIENT_ENDS = (("rpc send", "rpc reply received"), (_FLOW_START, _REQUEST), (_FLOW_END, _REPLY))
+_SERVER_ENDS = (("rpc receive", "rpc reply sent"), (_FLOW_END, _REQUEST), (_FLOW_START, _REPLY))
 
 
 def _named(template: str, name: str) -> str:
     return template.replace('"name":"%s"', f'"name":"{name}"')
 
 
-# A pair whose slices are long enough for 1 us markers: four markers and two flows (eight events).
-_PAIR = ",".join([_named(_MARK, n).replace('"dur":%s%s', '"dur":1.0')
-                  for n in ("rpc send", "rpc reply received", "rpc receive", "rpc reply sent")]
-                 + [_named(_FLOW, n) for n in ("rpc request", "rpc reply")])
+def _long_ends(ends: tuple) -> str:
+    """The four events of one side of a pair whose slice is long enough for
+    1 us markers, as one template of (lane, first marker's us, lane, last
+    marker's us, id, lane, first flow end's us, id + 1, lane, last flow end's us)."""
+    (first, last), (first_flow, first_name), (last_flow, last_name) = ends
+    return ",".join([_named(_MARK, first).replace('"dur":%s%s', '"dur":1.0'),
+                     _named(_MARK, last).replace('"dur":%s%s', '"dur":1.0'),
+                     _named(first_flow, first_name), _named(last_flow, last_name)])
+
+
+_LONG_ENDS = {KIND_CLIENT: _long_ends(_CLIENT_ENDS)}  # anything else drawn is a server span
+_SERVER_LONG_ENDS = _long_ends(_SERVER_ENDS)
 
 
 def _us(ns: int) -> tuple[int | str, str]:
@@ -52,8 +70,9 @@ def _us(ns: int) -> tuple[int | str, str]:
 def rpc_events(index: SpanIndex, workers: list[str], main_pid: dict[str, int], timebase: Timebase,
                first_flow_id: int) -> Iterator[tuple[str, int]]:
     """Lay each worker's client and server spans out on lanes and encode
-    their slices and the lanes' metadata, then the markers and flows of the
-    pairs: (comma-joined encoded events, how many) chunks."""
+    their slices, their markers and flow ends, and the lanes' metadata:
+    (comma-joined encoded events, how many) chunks.  Pair k's flows have the
+    ids ``first_flow_id + 2k`` (request) and ``+ 1`` (reply)."""
     zero = {w: timebase.pivot_ns - round((timebase.offsets_us.get(w, 0.0) - timebase.origin_us) * 1000)
             for w in main_pid}  # a worker's local ns of the merged timeline's 0
     for w, kind, label, base_tid in lanes(workers):
@@ -63,23 +82,23 @@ def rpc_events(index: SpanIndex, workers: list[str], main_pid: dict[str, int], t
         if meta:
             yield json.dumps(meta, separators=(",", ":"))[1:-1], len(meta)
         texts = ['"pid":%d,"tid":%d' % (main_pid[w], base_tid + k) for k in range(n_lanes)]
-        yield from _slices(group, zero[w], main_pid[w], texts, base_tid)
-    yield from _pairs(index.pairs, first_flow_id)
+        yield from _slices(group, zero[w], main_pid[w], texts, base_tid, first_flow_id)
 
 
 _SLICE = '%s%s,"ts":%s%s,"dur":%s%s,"args":{"trace_id":"%s","span_id":"%s","kind":"%s"%s'
 _SLICE_CHILD = '%s%s,"ts":%s%s,"dur":%s%s,"args":{"trace_id":"%s","span_id":"%s","kind":"%s","parent_span_id":"%s"%s'
 
 
-def _slices(group: list[Span], zero_ns: int, pid: int, texts: list[str], base_tid: int) -> Iterator[tuple[str, int]]:
-    """The slices of one lane group; sets each span's ``ts`` and ``lane``."""
+def _slices(group: list[Span], zero_ns: int, pid: int, texts: list[str], base_tid: int,
+            first_flow_id: int) -> Iterator[tuple[str, int]]:
+    """The events of one lane group: each span's slice, then its pair's markers and flow ends."""
     buf: list[str] = []
-    append, frac = buf.append, _FRAC
+    append, frac, up, frac_up, long_ends = buf.append, _FRAC, _UP, _FRAC_UP, _LONG_ENDS
+    n = 0
     parts: dict[int, tuple[str, str, str]] = {}  # a call site's: spans sharing attrs share their site
     for s in group:
         ts, dur = s.start_ns - zero_ns, s.end_ns - s.start_ns
-        s.ts = ts
-        lane = s.lane = texts[s.tid - base_tid]
+        lane = texts[s.tid - base_tid]
         if s.status_code == 2:
             append(json.dumps(_error_slice(s, pid, ts / 1000, dur / 1000), separators=(",", ":")))
         else:
@@ -94,61 +113,47 @@ def _slices(group: list[Span], zero_ns: int, pid: int, texts: list[str], base_ti
             else:
                 append(_SLICE % (head, lane, t_q, t_r, dur // 1000, frac[dur % 1000], s.trace_id, s.span_id,
                                  kind, tail))
-        if len(buf) >= _CHUNK:
-            yield ",".join(buf), len(buf)
-            buf.clear()
-    if buf:
-        yield ",".join(buf), len(buf)
-
-
-def _pairs(pairs: list[tuple[Span, Span]], first_flow_id: int) -> Iterator[tuple[str, int]]:
-    """The markers and flows of the pairs (their spans' ``ts`` and ``lane`` set)."""
-    buf: list[str] = []
-    n = 0
-    frac, up, frac_up, pair, long = _FRAC, _UP, _FRAC_UP, _PAIR, 8 * _MARKER_NS
-    fid = first_flow_id - 2  # each pair's request flow, then its reply flow
-    for c, s in pairs:
-        fid += 2
-        c0, s0, cl, sl = c.ts, s.ts, c.lane, s.lane
-        ce, se = c0 + c.end_ns - c.start_ns, s0 + s.end_ns - s.start_ns
-        if c0 >= 0 and s0 >= 0 and ce - c0 >= long and se - s0 >= long:  # the usual case, in one go
-            qc0, rc0 = divmod(c0, 1000)
-            qce, rce = divmod(ce, 1000)
-            qs0, rs0 = divmod(s0, 1000)
-            qse, rse = divmod(se, 1000)
-            buf.append(pair % (
-                cl, qc0 + 1, frac[rc0], cl, qce - 2, frac[rce], sl, qs0 + 1, frac[rs0], sl, qse - 2, frac[rse],
-                fid, cl, qc0 + 1 + up[rc0], frac_up[rc0], fid, sl, qs0 + 1 + up[rs0], frac_up[rs0],
-                fid + 1, sl, qse - 2 + up[rse], frac_up[rse], fid + 1, cl, qce - 2 + up[rce], frac_up[rce]))
-            n += 8
-        else:
-            before = len(buf)
-            c_send, c_recv = _markers(c, "rpc send", "rpc reply received", buf)
-            s_recv, s_send = _markers(s, "rpc receive", "rpc reply sent", buf)
-            buf.append(_named(_FLOW, "rpc request") % (fid, cl, *c_send, fid, sl, *s_recv))
-            buf.append(_named(_FLOW, "rpc reply") % (fid + 1, sl, *s_send, fid + 1, cl, *c_recv))
-            n += len(buf) - before + 2  # a flow item holds two events
+        n += 1
+        if s.pair >= 0:
+            fid = first_flow_id + 2 * s.pair
+            if ts >= 0 and dur >= _LONG_NS:  # the usual case, in one go
+                q0, r0 = divmod(ts, 1000)
+                qe, re_ = divmod(ts + dur, 1000)
+                append(long_ends.get(s.kind, _SERVER_LONG_ENDS) % (
+                    lane, q0 + 1, frac[r0], lane, qe - 2, frac[re_],
+                    fid, lane, q0 + 1 + up[r0], frac_up[r0], fid + 1, lane, qe - 2 + up[re_], frac_up[re_]))
+                n += 4
+            else:
+                n += _short_ends(s.kind, fid, lane, ts, dur, append)
         if len(buf) >= _CHUNK:
             yield ",".join(buf), n
-            buf, n = [], 0
+            buf.clear()
+            n = 0
     if buf:
         yield ",".join(buf), n
 
 
-def _markers(s: Span, first: str, last: str, out: list[str]) -> tuple[tuple, tuple]:
-    """Add short marker slices just inside both ends of a span slice (Perfetto
-    draws an arrow from the end of its source slice to the start of its target,
-    so binding to markers makes arrows point the right way) and return the
-    ts (as %s%s parts) a flow binds to at the start and at the end."""
-    ts, dur = s.ts, s.end_ns - s.start_ns
-    if dur < _MARKER_NS:  # too short for markers: bind to the slice itself
-        mid = _us(ts + dur // 2)
-        return mid, mid
-    m = min(_MARKER_NS, dur // 8)
-    a0, b0 = ts + m, ts + dur - 2 * m
-    out.append(_MARK % (first, s.lane, *_us(a0), *_us(m)))
-    out.append(_MARK % (last, s.lane, *_us(b0), *_us(m)))
-    return _us(a0 + m // 2), _us(b0 + m // 2)
+def _short_ends(kind: int, fid: int, lane: str, ts: int, dur: int, append: Any) -> int:
+    """Add one side's markers, short ones just inside both ends of its slice
+    (Perfetto draws an arrow from the end of its source slice to the start of
+    its target, so binding to markers makes arrows point the right way), and
+    its flow ends; a slice too short for markers binds both flows itself.
+    Returns how many events were added."""
+    (first, last), (first_flow, first_name), (last_flow, last_name) = (
+        _CLIENT_ENDS if kind == KIND_CLIENT else _SERVER_ENDS)
+    if dur < _MARKER_NS:
+        a = b = _us(ts + dur // 2)
+        added = 2
+    else:
+        m = min(_MARKER_NS, dur // 8)
+        a0, b0 = ts + m, ts + dur - 2 * m
+        append(_MARK % (first, lane, *_us(a0), *_us(m)))
+        append(_MARK % (last, lane, *_us(b0), *_us(m)))
+        a, b = _us(a0 + m // 2), _us(b0 + m // 2)
+        added = 4
+    append(_named(first_flow, first_name) % (fid, lane, *a))
+    append(_named(last_flow, last_name) % (fid + 1, lane, *b))
+    return added
 
 
 # Attributes every span of the run has alike, left out of the slices' args (a slice's name

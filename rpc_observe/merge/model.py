@@ -47,11 +47,9 @@ class Span:
     status_code: int = 0
     status_message: str = ""
     events: list[dict[str, Any]] | tuple = ()
-    # Set as it is laid out: its lane's thread id and '"pid":P,"tid":T' text, and its start
-    # on the merged timeline (ns after its zero).
+    # Set as it is laid out: its lane's thread id, and its RPC pair's number (-1: unpaired).
     tid: int = 0
-    lane: str = ""
-    ts: int = 0
+    pair: int = -1
 
 
 @dataclass

@@ -38,8 +38,9 @@ class SpanIndex:
 
 
 def index_spans(spans: dict[tuple[str, str], Span]) -> SpanIndex:
-    """Index the spans; a pair is a server span whose parent is a client span.
-    Spans that are neither client nor server (internal) are not drawn."""
+    """Index the spans; a pair is a server span whose parent is a client span
+    (numbered in ``Span.pair``; a client's first server span only).  Spans that
+    are neither client nor server (internal) are not drawn."""
     index = SpanIndex()
     groups, pairs, get = index.groups, index.pairs, spans.get
     for s in spans.values():
@@ -47,7 +48,8 @@ def index_spans(spans: dict[tuple[str, str], Span]) -> SpanIndex:
         if kind == KIND_SERVER:
             if s.parent_id:
                 c = get((s.trace_id, s.parent_id))
-                if c is not None and c.kind == KIND_CLIENT:
+                if c is not None and c.kind == KIND_CLIENT and c.pair < 0:  # one call, one server span
+                    c.pair = s.pair = len(pairs)
                     pairs.append((c, s))
         elif kind != KIND_CLIENT:
             continue
