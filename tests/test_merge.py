@@ -669,9 +669,9 @@ def test_bad_limits_are_refused(capsys):
 @pytest.mark.parametrize("limit", [[], ["--max-spans", "50"], ["--since", "0.02", "--until", "0.05"]],
                          ids=["all", "max-spans", "window"])
 def test_span_files_read_in_processes_merge_as_read_here(tmp_path, raw_trace, capsys, monkeypatch, limit):
-    """A large run's span files are read by worker processes (real spawned ones here: the size
-    threshold is lowered, and this process could not read them); the output is byte for byte
-    the one read in this process."""
+    """A large run's span files are read by a helper process (a real spawned one here: the size
+    threshold is lowered) and by this one meanwhile, from the back (made to happen here by
+    a helper that never looks done); the output is byte for byte the one read here alone."""
     from rpc_observe.merge import parallel
 
     build_run(tmp_path / "out", raw_trace)
@@ -679,9 +679,14 @@ def test_span_files_read_in_processes_merge_as_read_here(tmp_path, raw_trace, ca
     here, there = tmp_path / "here.json", tmp_path / "there.json"
     assert run_main(capsys, tmp_path / "out", "-o", here, "-j", "1", *limit)[0] == 0
     monkeypatch.setattr(parallel, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(parallel, "SpanReader", None)  # in this process only: the spawned readers have theirs
+    monkeypatch.setattr(parallel, "_busy", lambda job: True)
+    read_here = []
+    real_read_here = parallel._read_here
+    monkeypatch.setattr(parallel, "_read_here", lambda si, *a: read_here.append(si.path.name) or real_read_here(si, *a))
     rc, err = run_main(capsys, tmp_path / "out", "-o", there, "-j", "2", *limit)
     assert rc == 0, err
+    # streams in name order: worker0 (rotated), worker1 and worker2; the helper took the first two
+    assert read_here == [f"worker2-{OS_PIDS['worker2']}.jsonl"]
     assert there.read_bytes() == here.read_bytes()
 
 

@@ -99,8 +99,8 @@ def merge(
     (``None`` when nothing was usable).  ``log`` gets one line per note.
     ``limits`` say what to keep of a very large run; what they left out is in
     the summary's ``cut`` (None if nothing).  ``jobs`` > 1 reads a large run's
-    span files in that many processes (the caller's main module must then be
-    importable without side effects, as for :mod:`multiprocessing`).
+    span files in that many processes, this one included (the caller's main
+    module must then be importable without side effects, as for :mod:`multiprocessing`).
 
     With ``stream``, ``trace["traceEvents"]`` is a one-shot iterator for
     :func:`write_merged`, and the summary is complete once it is written."""
@@ -232,8 +232,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep at most N spans: the newest (latest start), the older ones are left out; "
                          "memory stays bounded by N")
     ap.add_argument("-j", "--jobs", type=_at_least_one("processes"), metavar="N", default=_default_jobs(),
-                    help="processes that read a large run's span files (default: the CPUs but one, at most 4; "
-                         "1: read in this process)")
+                    help="processes that read a large run's span files, this one included "
+                         "(default: the CPUs, at most 4; 1: this one alone)")
     ap.add_argument("-q", "--quiet", action="store_true", help="only report problems and cuts")
     return ap
 
@@ -247,10 +247,8 @@ def _bound(text: str) -> TimeBound:
 
 
 def _default_jobs() -> int:
-    """A CPU is left to the merge itself (receiving, laying out, encoding): on two
-    CPUs, two readers took as long as reading here, for 25 % more CPU."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(4, cpus - 1))
+    return max(1, min(4, cpus))
 
 
 def _at_least_one(what: str) -> Callable[[str], int]:
