@@ -700,6 +700,6 @@ def test_a_pool_that_cannot_start_reads_in_this_process(tmp_path, raw_trace, cap
     here, there = tmp_path / "here.json", tmp_path / "there.json"
     assert run_main(capsys, tmp_path / "out", "-o", here, "-j", "1")[0] == 0
     monkeypatch.setattr(parallel, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(parallel, "ProcessPoolExecutor", no_processes)
+    monkeypatch.setattr("concurrent.futures.ProcessPoolExecutor", no_processes)  # imported when used
     assert run_main(capsys, tmp_path / "out", "-o", there, "-j", "2")[0] == 0
     assert there.read_bytes() == here.read_bytes()

@@ -13,15 +13,15 @@ process alone.  A pool that cannot start or dies reads the rest here.
 from __future__ import annotations
 
 import gc
-import multiprocessing
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .limits import Limits, SpanSink
 from .model import Span, SpanInput
 from .spanfile import SpanReader
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 # Below this much span input (about 300,000 spans), starting the processes costs more than they
 # save: at 100,000 spans (80 MB) two readers took 1.45 s against 1.28 s in process (BENCHMARKS.md).
@@ -34,6 +34,8 @@ def read_streams(span_inputs: list[SpanInput], run_id: str | None, sink: SpanSin
     """Read every stream into ``sink``, in order; yields each once it is in."""
     done = 0
     if jobs > 1 and len(span_inputs) > 1 and _input_bytes(span_inputs) >= PARALLEL_MIN_BYTES:
+        from concurrent.futures.process import BrokenProcessPool  # 30 ms of imports: only when used
+
         try:
             for si in _in_processes(span_inputs, run_id, sink, jobs - 1):
                 done += 1
@@ -49,6 +51,9 @@ def read_streams(span_inputs: list[SpanInput], run_id: str | None, sink: SpanSin
 
 def _in_processes(span_inputs: list[SpanInput], run_id: str | None, sink: SpanSink,
                   helpers: int) -> Iterator[SpanInput]:
+    import multiprocessing
+    from concurrent.futures import Future, ProcessPoolExecutor
+
     # spawn, not fork: merge() may be called in a process with threads (a finished training job).
     with ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"), initializer=gc.disable) as pool:
         # Per stream: its helper's future, or what this process read of it (its own sink).
