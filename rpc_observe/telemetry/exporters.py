@@ -40,6 +40,11 @@ def otlp_attributes(attributes: dict) -> list[dict]:
 
 
 _TAIL = b"]}]}]}\n"
+# A successful span, with and without a parent; the call site's name, kind and attributes go in the last %s.
+_SPAN_JSON = ('{"traceId":"%032x","spanId":"%016x","startTimeUnixNano":"%d","endTimeUnixNano":"%d"%s,'
+              '"status":{"code":0}}')
+_CHILD_SPAN_JSON = ('{"traceId":"%032x","spanId":"%016x","parentSpanId":"%016x","startTimeUnixNano":"%d",'
+                    '"endTimeUnixNano":"%d"%s,"status":{"code":0}}')
 
 
 class OtlpJsonFileSink:
@@ -123,11 +128,9 @@ class OtlpJsonFileSink:
     def _span_json(self, r: SpanRecord) -> str:
         if r.error_type is not None:
             return json.dumps(self._span(r), separators=(",", ":"))
-        parent = ',"parentSpanId":"%016x"' % r.parent_id if r.parent_id else ""
-        return (
-            '{"traceId":"%032x","spanId":"%016x"%s,"startTimeUnixNano":"%d","endTimeUnixNano":"%d"%s,"status":{"code":0}}'
-            % (r.trace_id, r.span_id, parent, r.start_ns, r.end_ns, self._site(r))
-        )
+        if r.parent_id:
+            return _CHILD_SPAN_JSON % (r.trace_id, r.span_id, r.parent_id, r.start_ns, r.end_ns, self._site(r))
+        return _SPAN_JSON % (r.trace_id, r.span_id, r.start_ns, r.end_ns, self._site(r))
 
     def _span(self, record: SpanRecord) -> dict:
         span = {

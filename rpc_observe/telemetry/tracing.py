@@ -35,6 +35,9 @@ INTERNAL = 1  # OTLP SpanKind values
 SERVER = 2
 CLIENT = 3
 _getrandbits = random.getrandbits
+_LOW_64 = (1 << 64) - 1  # the trace id bits a ratio sampler decides on
+_traceparent_entry, _SAMPLED_LAST_DIGITS = propagation.TRACEPARENT_ENTRY, propagation.SAMPLED_LAST_DIGITS
+_TRACEPARENT_ENTRY_FORMAT, _FLAGS = propagation.TRACEPARENT_ENTRY_FORMAT, propagation.FLAGS
 
 
 def _context_getter():
@@ -135,7 +138,7 @@ class Tracer:
             return parent_sampled
         if self._limiter is not None:
             return self._limiter.take()
-        return (trace_id & 0xFFFFFFFFFFFFFFFF) < self._root_bound
+        return (trace_id & _LOW_64) < self._root_bound
 
     def start_client(self, name: str, attributes: dict, start_ns: int, kind: int = CLIENT) -> SpanRecord:
         """A CLIENT (or `kind`) span, child of the span this thread serves, or of the current OpenTelemetry span."""
@@ -148,9 +151,10 @@ class Tracer:
             if parent is not None and parent.is_valid:
                 trace_id, parent_id, remote = parent.trace_id, parent.span_id, parent.is_remote
                 sampled = self._should_sample(trace_id, parent.trace_flags.sampled)
-            else:
+            else:  # a root: `_should_sample(trace_id, None)`, inline (the caller's hot path)
                 trace_id, parent_id, remote = _getrandbits(128), 0, False
-                sampled = self._should_sample(trace_id, None)
+                limiter = self._limiter
+                sampled = (trace_id & _LOW_64) < self._root_bound if limiter is None else limiter.take()
         return SpanRecord(name, kind, trace_id, _getrandbits(64), parent_id, remote, sampled, attributes, start_ns)
 
     def start_internal(self, name: str, attributes: dict, start_ns: int) -> SpanRecord:
@@ -162,7 +166,7 @@ class Tracer:
         if not self._propagates:
             return ""
         if self._fast_propagation and _BAGGAGE_KEY not in _get_current():
-            return "traceparent=" + propagation.format_traceparent(span.trace_id, span.span_id, span.sampled)
+            return _TRACEPARENT_ENTRY_FORMAT % (span.trace_id, span.span_id, _FLAGS[span.sampled])
         ctx = trace.set_span_in_context(NonRecordingSpan(_span_context(span)))
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=ctx)
@@ -176,7 +180,11 @@ class Tracer:
         parent = None
         if context:
             if self._fast_propagation and len(context) == 1 and context[0][:12] == "traceparent=":
-                parent = propagation.parse_traceparent(context[0][12:])
+                match = _traceparent_entry(context[0])  # `propagation.parse_traceparent`, inline: the callee's hot path
+                if match is not None:
+                    trace_id, parent_id = int(match[1], 16), int(match[2], 16)
+                    if trace_id and parent_id:
+                        parent = (trace_id, parent_id, match[3] in _SAMPLED_LAST_DIGITS)
             elif self._propagates:
                 sc = trace.get_current_span(propagate.extract(propagation.carrier_of(context))).get_span_context()
                 parent = (sc.trace_id, sc.span_id, sc.trace_flags.sampled) if sc.is_valid else None
@@ -184,7 +192,7 @@ class Tracer:
                 health.invalid_context()
         if parent is not None:
             trace_id, parent_id, parent_sampled = parent
-            sampled = self._should_sample(trace_id, parent_sampled)
+            sampled = parent_sampled if self._parent_based else self._should_sample(trace_id, None)
         else:
             trace_id, parent_id = _getrandbits(128), 0
             sampled = self._should_sample(trace_id, None)

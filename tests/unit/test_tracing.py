@@ -246,6 +246,19 @@ def test_garbage_context_starts_a_new_trace_and_is_counted(make_tracer: TracerFa
     assert health.invalid_contexts[0] == 1
 
 
+@pytest.mark.parametrize("entry", GARBAGE + ["traceparent=00-" + "a" * 32 + "-" + "b" * 16 + f"-{flags}"
+                                           for flags in ("00", "01", "02", "03", "0f", "fe", "ff")])
+def test_the_inline_traceparent_parse_agrees_with_parse_traceparent(make_tracer: TracerFactory, entry: str) -> None:
+    """start_server parses a lone traceparent inline (the callee's hot path): the same as the reference parser."""
+    tracer, _ = make_tracer()
+    span = tracer.start_server("s", ATTRS, [entry], 1)
+    expected = propagation.parse_traceparent(entry[12:]) if entry.startswith("traceparent=") else None
+    if expected is None:
+        assert span.parent_id == 0 and health.invalid_contexts[0] == 1
+    else:
+        assert (span.trace_id, span.parent_id, span.sampled) == expected and health.invalid_contexts[0] == 0
+
+
 @pytest.mark.parametrize("entries", [["traceparent=00-" + "0" * 32 + "-" + "b" * 16 + "-01", "baggage=k=v"],
                                      ["traceparent=zzz", "tracestate=a=b"]])
 def test_garbage_context_through_the_propagators_is_counted(make_tracer: TracerFactory, entries: list[str]) -> None:
