@@ -10,7 +10,10 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import os
 import random
+import stat
+import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -329,6 +332,27 @@ def test_short_calls_bind_flows_inside_their_slices(tmp_path, capsys):
         assert len(held) == (0 if work < 1 else 1), (work, f)
         if 1 <= work < 8:
             assert held[0]["dur"] == pytest.approx(round(work * 1000) // 8 / 1000)
+
+
+def test_a_device_or_pipe_as_output_is_written_not_replaced(tmp_path, capsys):
+    """`-o /dev/null` (here a FIFO, which is no regular file either) is written to as it is: the temporary
+    file renamed into place would replace the device (as root, /dev/null itself)."""
+    per_worker = defaultdict(list)
+    for pair in make_rpcs(1_790_000_000_000_000_000, n=4, seed=3):
+        for span in pair:
+            per_worker[span["worker"]].append(span)
+    for w, spans in per_worker.items():
+        write_span_file(tmp_path / "spans" / f"{w}-{OS_PIDS[w]}.jsonl", w, spans)
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    rc = run_main(capsys, tmp_path / "spans", "-o", fifo)[0]
+    reader.join(10)
+    assert rc == 0 and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert not list(tmp_path.glob("*.tmp"))
+    assert json.loads(received[0])["rpc_observe_merge"]["rpc"]["pairs"] == 4
 
 
 def test_bad_inputs_are_reported_and_the_rest_merged(tmp_path, raw_trace, capsys):

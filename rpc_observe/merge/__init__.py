@@ -125,11 +125,14 @@ def merge(
 
 def write_merged(trace: dict[str, Any], path: str | os.PathLike, chunk: int = 20_000) -> None:
     """Write compact JSON (``.gz`` suffix: gzip), keys in dict order, via a
-    temporary file renamed into place.  ``traceEvents`` may be any iterable of
-    event dicts and strings of already encoded (comma-joined) events; it is
-    taken as it is written, and the keys after it are encoded after it."""
+    temporary file renamed into place (a device or pipe, such as /dev/null,
+    is written to as it is: renaming onto it would replace it).  ``traceEvents``
+    may be any iterable of event dicts and strings of already encoded
+    (comma-joined) events; it is taken as it is written, and the keys after it
+    are encoded after it."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    in_place = path.exists() and not path.is_file()
+    tmp = path if in_place else path.with_name(path.name + ".tmp")
     opener = gzip.open if path.name.endswith(".gz") else open
     sep = (",", ":")
     try:
@@ -143,9 +146,11 @@ def write_merged(trace: dict[str, Any], path: str | os.PathLike, chunk: int = 20
                     f.write(json.dumps(trace[k], separators=sep))
             f.write("}\n")
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if not in_place:
+            tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, path)
+    if not in_place:
+        os.replace(tmp, path)
 
 
 class _BackgroundWriter:
