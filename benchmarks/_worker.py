@@ -261,6 +261,7 @@ def instrumentation_state() -> dict[str, Any]:
         "opentelemetry_sdk_imported": "opentelemetry.sdk.trace" in sys.modules,
     }
     if state["rpc_observe_imported"]:
+        state["rpc_observe_dir"] = os.path.dirname(os.path.dirname(sys.modules["rpc_observe"].__file__))
         state["runtime_module"], rt = rpc_observe_module("runtime")
         cur = getattr(rt, "current", None)
         state["runtime"] = None if cur is None else {

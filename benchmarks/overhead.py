@@ -45,13 +45,14 @@ import argparse
 import datetime as _dt
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
 from bench import profiling, report, sections, stats
-from bench.pairs import ENVS, LABELS, SAT_CONFIGS, configs_for, shutdown_all, start_pairs
+from bench.pairs import ENVS, LABELS, SAT_CONFIGS, add_baseline, configs_for, shutdown_all, start_pairs
 from bench.report import show
 
 
@@ -84,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--channels", default="basic",
                     help="TensorPipe channels, comma-separated, or 'default' for TensorPipe's own choice "
                          "(default basic: tensors inline over the transport)")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also run (c0) and (d0): (c) and (d) with rpc_observe as it was at git revision REV, in the "
+                         "same rounds (and, with --profile, its in-situ self times), so a change is measured side "
+                         "by side; the saturation section adds (d0)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--noop-calls", type=int)
     ap.add_argument("--big-calls", type=int)
@@ -96,6 +101,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-serialization", action="store_true")
     ap.add_argument("--out", help="JSON path (default: benchmarks/results/overhead-<date>[-<mode>].json)")
     return ap.parse_args(argv)
+
+
+def baseline_tree(rev: str, tmp: str) -> str:
+    """A directory holding rpc_observe/ as it was at git revision `rev` (`git archive`, no worktree to clean up)."""
+    tree = os.path.join(tmp, "baseline")
+    os.makedirs(tree)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", repo, "archive", rev, "rpc_observe"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+    return tree
 
 
 def span_files(tmp: str) -> dict[str, dict[str, int]]:
@@ -143,13 +158,13 @@ def run(args: argparse.Namespace, mode: str, configs: list[str], p: dict[str, An
         result["rounds"] = res = sections.run_rounds(configs, p, rotate, not args.keep_pairs, tmp, transport,
                                                      channels, report.code_state)
         texts.append(show(report.rounds_table(res, configs)))
-        shown = [c for c in ("a", "a2", "b", "c", "d", "e", "h") if c in configs]
+        shown = [c for c in ("a", "a2", "b", "c", "c0", "d", "d0", "e", "h") if c in configs]
         texts.append(show(report.threads_table("Callee (server) CPU per call by thread, 8-thread rpc_async loop",
                                                {c: res["threads"][c]["thr"] for c in shown}, shown)))
         texts.append(show(report.threads_table("Callee (server) CPU per call by thread, no-op rpc_sync loop",
                                                {c: res["threads"][c]["noop"] for c in shown}, shown)))
     if mode in ("quick", "full", "saturation") and not args.no_saturation:
-        sat_configs = SAT_CONFIGS + ([] if args.no_control else ["a2"])
+        sat_configs = SAT_CONFIGS + (["d0"] if args.baseline else []) + ([] if args.no_control else ["a2"])
         result["saturation"] = res = sections.run_saturation(sat_configs, p, rotate, tmp, transport, channels,
                                                              report.code_state)
         texts.append(show(report.saturation_table(res, sat_configs)))
@@ -204,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             else "quick" if args.quick else "full")
     if mode == "quick":
         args.no_serialization = True
-    configs = configs_for(mode, control=not args.no_control, profiler_baseline=args.profiler_baseline)
+    tmp = tempfile.mkdtemp(prefix="rpc_observe_bench_")
+    if args.baseline:
+        add_baseline(args.baseline, baseline_tree(args.baseline, tmp))
+    configs = configs_for(mode, control=not args.no_control, profiler_baseline=args.profiler_baseline,
+                          baseline=bool(args.baseline))
     started = time.perf_counter()
     stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     result = report.new_result(mode, stamp, sys.argv if argv is None else [sys.argv[0], *argv])
@@ -212,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
                    "transport": args.transport, "channels": args.channels,
                    "order": "fixed" if args.fixed_order else "rotating",
                    "pairs": "kept for all rounds" if args.keep_pairs else "fresh every round"})
-    tmp = tempfile.mkdtemp(prefix="rpc_observe_bench_")
     try:
         texts = run(args, mode, configs, p, result, tmp)
     finally:

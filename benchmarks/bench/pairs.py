@@ -50,18 +50,30 @@ for _c in ("c", "d"):  # --profile: (c), (d) with the worker's in-situ self-time
     LABELS[_c + "_t"] = LABELS[_c] + " + self-timer"
     ENVS[_c + "_t"] = {**ENVS[_c], "BENCH_SELF_TIME": "1"}
 EXTRA_ENV: dict[str, dict[str, str]] = {}  # per config, for diagnostics (edit by hand)
+BASELINE = ("c0", "d0")  # --baseline REV: (c) and (d) with rpc_observe imported from REV's tree
+
+
+def add_baseline(rev: str, tree: str) -> None:
+    """Registers (c0) and (d0): the configs (c) and (d), their rpc_observe imported from `tree` (REV's
+    rpc_observe/, put first on PYTHONPATH), so that a change is measured against REV in the same rounds."""
+    for c in BASELINE:
+        LABELS[c] = f"{LABELS[c[0]]} at {rev}"
+        ENVS[c] = {**ENVS[c[0]], "PYTHONPATH": tree}
+    for c in ("c0", "d0"):  # --profile: with the self-timer too
+        LABELS[c + "_t"] = LABELS[c] + " + self-timer"
+        ENVS[c + "_t"] = {**ENVS[c], "BENCH_SELF_TIME": "1"}
 
 
 SAT_CONFIGS = ["a", "c", "d", "h"]  # the saturation section's groups (+ "a2" with the A/A control)
 
 
-def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False) -> list[str]:
+def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False, baseline: bool = False) -> list[str]:
     """The configurations a mode's latency/throughput rounds run."""
     if mode == "memory":
         return ["a", "d"]
     if mode == "profile":
-        return ["a", "c", "d", "c_t", "d_t"]
-    return (["a", "b", "c", "d", "e", "h", "l"] + (["a2"] if control else [])
+        return ["a", "c", "d", "c_t", "d_t"] + (["c0_t", "d0_t"] if baseline else [])
+    return (["a", "b", "c", "d", "e", "h", "l"] + (list(BASELINE) if baseline else []) + (["a2"] if control else [])
             + (["ap"] if profiler_baseline else []))
 
 
@@ -242,6 +254,12 @@ def start_pairs(configs: list[str], tmp: str, transport: str, channels: str = "d
             print(f"  {c:>2}: pids {'/'.join(map(str, p.pids))} rpc_observe imported={st['rpc_observe_imported']} "
                   f"patched={st['invoke_rpc_patched']} no_site={st['no_site']} "
                   f"otel_sdk={st['opentelemetry_sdk_imported']} runtime={st.get('runtime')}", flush=True)
+    for c, p in pairs.items():  # a baseline measured with the current code would compare nothing
+        tree = ENVS[c].get("PYTHONPATH")
+        for w in p.workers:
+            if tree is not None and w.ready["state"].get("rpc_observe_dir") != tree:
+                raise RuntimeError(f"({c}) imported rpc_observe from {w.ready['state'].get('rpc_observe_dir')}, "
+                                   f"not from the baseline tree {tree}")
     return pairs
 
 

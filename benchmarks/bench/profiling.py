@@ -85,22 +85,28 @@ def per_call_counters(pairs: dict[str, Pair], out: dict[str, Any], n: int = 2000
 
 
 # -- 2. in-situ self times -----------------------------------------------------------------------
-def self_times(pairs: dict[str, Pair], out: dict[str, Any], n: int = 3000) -> list[str]:
-    """(c) and (d) with the worker's self-timer, which adds its own ~1-2 us per wrapper."""
+def self_times(pairs: dict[str, Pair], out: dict[str, Any], n: int = 1500, reps: int = 6) -> list[str]:
+    """(c) and (d) (and, with --baseline, (c0) and (d0)) with the worker's self-timer, which adds its own
+    ~1-2 us per wrapper; the configs take turns, rep by rep, so a slow phase of the machine hits them all."""
+    configs = [c for c in ("c", "d", "c0", "d0") if c + "_t" in pairs]
+    res: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    for _ in range(reps):
+        for c in configs:
+            pr = pairs[c + "_t"]
+            pr.resume()
+            res[c].append(pr.caller.call("selftime", n=n))
+            pr.pause()
     texts = []
-    for c in ("c", "d"):
-        pr = pairs[c + "_t"]
-        pr.resume()
-        res = [pr.caller.call("selftime", n=n) for _ in range(3)]
-        pr.pause()
-        out[f"selftime {c}"] = res
-        lines = [f"rpc_observe's own time per no-op RPC in ({c}), in situ, us (median per call; median of 3 x {n}):",
+    for c in configs:
+        out[f"selftime {c}"] = res[c]
+        lines = [f"rpc_observe's own time per no-op RPC in ({c}), in situ, us (median per call; median of "
+                 f"{reps} x {n}, the configs taking turns):",
                  "| process | wrapper @ thread | median us | mean us |", "|---|---|---|---|"]
         totals: dict[str, float] = {}
         for role in ("caller", "callee"):
-            for key in sorted(res[0][role]):
-                med = statistics.median(r[role][key]["median_us"] for r in res if key in r[role])
-                mean = statistics.median(r[role][key]["mean_us"] for r in res if key in r[role])
+            for key in sorted(res[c][0][role]):
+                med = statistics.median(r[role][key]["median_us"] for r in res[c] if key in r[role])
+                mean = statistics.median(r[role][key]["mean_us"] for r in res[c] if key in r[role])
                 totals[role] = totals.get(role, 0.0) + med
                 lines.append(f"| {role} | {key} | {med:.1f} | {mean:.1f} |")
         lines.append(f"| both | sum of medians | {sum(totals.values()):.1f} | |")
