@@ -12,6 +12,11 @@ Run by hand (the 1M-span input is about 0.6 GB, and is deleted afterwards)::
     .venv/bin/python benchmarks/merge_scaling.py --sizes 100000 --profile
     .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --rotate 3 --merge-args=--max-spans=100000
     .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --compare=-j1 --rounds 3   # side by side
+    .venv/bin/python benchmarks/merge_scaling.py --sizes 100000 --instructions   # + valgrind's count (-j1, ~1 min)
+
+This VM's speed drifts by +-25 % within an hour (the same 1M-span merge: 8 to 12 s), so a
+change of a few % is judged by ``--instructions``: the merge's instructions under
+``valgrind --tool=callgrind``, repeatable to about 0.1 % (100,000 spans: 9.19 and 9.20 G).
 """
 
 from __future__ import annotations
@@ -159,6 +164,19 @@ def run_merge(inputs: Path, output: Path, extra: list[str]) -> tuple[float, floa
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, text  # ru_maxrss: KiB on Linux
 
 
+def count_instructions(inputs: Path, output: Path, extra: list[str]) -> int:
+    """Instructions of one in-process merge (-j1) under ``valgrind --tool=callgrind``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m", "rpc_observe",
+               "merge", str(inputs), "-o", str(output), "-q", "-j1", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        for line in proc.stderr.splitlines():
+            if "Collected :" in line:
+                return int(line.split(":")[-1].strip())
+    raise SystemExit(f"valgrind gave no count ({proc.returncode}): {shlex.join(cmd)}\n{proc.stderr[-2000:]}")
+
+
 def profile_merge(inputs: Path, output: Path, extra: list[str], top: int = 25) -> None:
     """cProfile of one merge, in this process; the top functions by own time."""
     from rpc_observe import merge
@@ -179,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="merge each size also with these extra arguments (repeatable, e.g. --compare=-j1), "
                          "alternating with the plain merge on the same input")
     ap.add_argument("--rounds", type=int, default=1, help="merges per variant and size, alternating (median shown)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count the instructions of one -j1 merge per size and variant under valgrind's "
+                         "callgrind (repeatable where wall time is not; ~50x slower)")
     args = ap.parse_args(argv)
     extra = shlex.split(args.merge_args)
     variants = [args.merge_args] + args.compare
@@ -203,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
                 cpu = statistics.median(r[1] for r in runs[v])
                 rss = max(r[2] for r in runs[v])
                 rows.append((n, v, size_in, size_out, wall, walls, cpu, rss))
+            if args.instructions:
+                for v in variants:
+                    n_instr = count_instructions(inputs, output, shlex.split(v))
+                    output.unlink()
+                    print(f"{n:,} spans, {v or '(default)'} (-j1): {n_instr:,} instructions, "
+                          f"{n_instr / n:,.0f} a span", flush=True)
             if args.profile:
                 profile_merge(inputs, output, extra)
                 output.unlink()
