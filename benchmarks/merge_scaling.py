@@ -16,7 +16,7 @@ Run by hand (the 1M-span input is about 0.6 GB, and is deleted afterwards)::
 
 This VM's speed drifts by +-25 % within an hour (the same 1M-span merge: 8 to 12 s), so a
 change of a few % is judged by ``--instructions``: the merge's instructions under
-``valgrind --tool=callgrind``, repeatable to about 0.1 % (100,000 spans: 9.19 and 9.20 G).
+``valgrind --tool=callgrind``, repeatable to about 0.2 % (100,000 spans: 9.19 to 9.21 G in three runs).
 """
 
 from __future__ import annotations

@@ -221,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         args.no_serialization = True
     tmp = tempfile.mkdtemp(prefix="rpc_observe_bench_")
     if args.baseline:
-        add_baseline(args.baseline, baseline_tree(args.baseline, tmp))
+        try:
+            add_baseline(args.baseline, baseline_tree(args.baseline, tmp))
+        except subprocess.CalledProcessError as e:  # an unknown REV: say so, leave no temporary directory
+            shutil.rmtree(tmp, ignore_errors=True)
+            reason = (e.stderr or b"").decode(errors="replace").strip()
+            raise SystemExit(f"--baseline {args.baseline}: {reason}") from None
     configs = configs_for(mode, control=not args.no_control, profiler_baseline=args.profiler_baseline,
                           baseline=bool(args.baseline))
     started = time.perf_counter()

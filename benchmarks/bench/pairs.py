@@ -59,8 +59,7 @@ def add_baseline(rev: str, tree: str) -> None:
     for c in BASELINE:
         LABELS[c] = f"{LABELS[c[0]]} at {rev}"
         ENVS[c] = {**ENVS[c[0]], "PYTHONPATH": tree}
-    for c in ("c0", "d0"):  # --profile: with the self-timer too
-        LABELS[c + "_t"] = LABELS[c] + " + self-timer"
+        LABELS[c + "_t"] = LABELS[c] + " + self-timer"  # --profile: with the self-timer too
         ENVS[c + "_t"] = {**ENVS[c], "BENCH_SELF_TIME": "1"}
 
 
