@@ -11,7 +11,8 @@ Run by hand (the 1M-span input is about 0.6 GB, and is deleted afterwards)::
     .venv/bin/python benchmarks/merge_scaling.py                        # 10k, 100k, 1M spans
     .venv/bin/python benchmarks/merge_scaling.py --sizes 100000 --profile
     .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --rotate 3 --merge-args=--max-spans=100000
-    .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --compare=-j1 --rounds 3   # side by side
+    .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --compare=-j2 --rounds 3   # side by side
+    .venv/bin/python benchmarks/merge_scaling.py --compare=RPC_OBSERVE_MERGE_SPEEDUPS=0 --rounds 3  # without C
     .venv/bin/python benchmarks/merge_scaling.py --sizes 100000 --instructions   # + valgrind's count (-j1, ~1 min)
 
 This VM's speed drifts by +-25 % within an hour (the same 1M-span merge: 8 to 12 s), so a
@@ -27,6 +28,7 @@ import json
 import os
 import pstats
 import random
+import re
 import shlex
 import shutil
 import statistics
@@ -147,12 +149,22 @@ def generate(root: Path, n_spans: int, rotate: int = 1, seed: int = 1) -> int:
     return sum(f.stat().st_size for f in root.iterdir())
 
 
+def split_env(extra: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A variant's leading NAME=VALUE words (its environment) and its merge arguments."""
+    env = dict(os.environ)
+    while extra and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", extra[0]):
+        name, _, value = extra[0].partition("=")
+        env[name], extra = value, extra[1:]
+    return env, extra
+
+
 def run_merge(inputs: Path, output: Path, extra: list[str]) -> tuple[float, float, int, str]:
     """``rpc-observe merge`` in a fresh interpreter: (wall seconds, CPU seconds, peak RSS bytes, stderr)."""
+    env, extra = split_env(extra)
     cmd = [sys.executable, "-m", "rpc_observe", "merge", str(inputs), "-o", str(output), *extra]
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         # wait4: this child's own rusage (RUSAGE_CHILDREN would be the max over every child so far).
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
@@ -166,11 +178,12 @@ def run_merge(inputs: Path, output: Path, extra: list[str]) -> tuple[float, floa
 
 def count_instructions(inputs: Path, output: Path, extra: list[str]) -> int:
     """Instructions of one in-process merge (-j1) under ``valgrind --tool=callgrind``."""
+    env, extra = split_env(extra)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m", "rpc_observe",
                "merge", str(inputs), "-o", str(output), "-q", "-j1", *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         for line in proc.stderr.splitlines():
             if "Collected :" in line:
                 return int(line.split(":")[-1].strip())
@@ -194,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge-args", default="", help="extra arguments for rpc-observe merge")
     ap.add_argument("--profile", action="store_true", help="also cProfile the merge of each size")
     ap.add_argument("--compare", action="append", default=[], metavar="ARGS",
-                    help="merge each size also with these extra arguments (repeatable, e.g. --compare=-j1), "
+                    help="merge each size also with these extra arguments, leading NAME=VALUE words set in its "
+                         "environment (repeatable, e.g. --compare=-j2 --compare=RPC_OBSERVE_MERGE_SPEEDUPS=0), "
                          "alternating with the plain merge on the same input")
     ap.add_argument("--rounds", type=int, default=1, help="merges per variant and size, alternating (median shown)")
     ap.add_argument("--instructions", action="store_true",

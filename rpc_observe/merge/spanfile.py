@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import speedups
 from .files import iter_lines
 from .model import BadInput, Span, SpanInput, json_error
 from .otlp import Resource, Site, batch_spans, parse_span, resource_of, site_of, span_worker
@@ -118,14 +119,11 @@ class SpanReader:
         res = self._resources[res_text]
         if res is None:
             return False
-        # Split the whole line (no copy of it first), then trim the head and the tail off.
-        pieces = text.split(_SEP)
-        pieces[0] = pieces[0][m.end():]
-        pieces[-1] = pieces[-1][:len(pieces[-1]) - (len(text) - end) - len(_TAIL)]
+        lo, hi = m.end(), end - len(_TAIL)  # the spans, between the head and the tail
         if not self._is_run(res):  # counted, not read
-            si.run_ids[res.run_id] += len(pieces)
+            si.run_ids[res.run_id] += text.count(_SEP, lo, hi) + 1
             return True
-        spans = self._fast_spans(pieces, res, path)
+        spans = self._fast_spans(text, lo, hi, res, path)
         if spans is None:  # a piece that is not one span: read the line as JSON instead
             return False
         si.run_ids[res.run_id] += len(spans)
@@ -137,36 +135,49 @@ class SpanReader:
                 self._note_pid(si, res, worker)
         return True
 
-    def _fast_spans(self, pieces: list[str], res: Resource, path: Path) -> list[Span] | None:
-        """The spans of one line's pieces (each a span's JSON without its
-        leading ``{"traceId":"`` and closing ``}``); None if one is no span."""
+    def _fast_spans(self, text: str, lo: int, hi: int, res: Resource, path: Path) -> list[Span] | None:
+        """The spans of ``text[lo:hi]``, pieces split at ``},{"traceId":"`` (each
+        a span's JSON without its leading ``{"traceId":"`` and closing ``}``);
+        None if one is no span.  The C loop reads the common pieces and leaves
+        the others in place, for :meth:`_piece_span`."""
+        fallback = span_worker(res, _NO_SITE, path)  # a span's own route comes first
+        if speedups.C is not None:
+            read = speedups.C.line_spans(text, lo, hi, self._sites, _NO_SITE, res.worker, fallback)
+            if read is not None:
+                spans, left = read
+                for i in left:
+                    sp = self._piece_span(spans[i], res, path, fallback)
+                    if sp is None:
+                        return None
+                    spans[i] = sp
+                return spans
         out: list[Span] = []
-        append, sites, match, ok_len = out.append, self._sites, _IDS.match, len(_OK)
-        fallback = span_worker(res, Site("", 0, {}, None), path)  # a span's own route comes first
-        for p in pieces:
-            m = match(p)
-            if m is not None:
-                tail = p[m.end():]  # a call site and an OK status: the key, so a hit needs no test of the status
-                site = sites.get(tail)
-                if site is None and tail.endswith(_OK):
-                    site = sites[tail] = _decode(tail[:-ok_len], _site_of) or _NO_SITE
-                if site is not None and site is not _NO_SITE:
-                    trace_id, span_id, parent, start, end = m.groups()
-                    start_ns, end_ns = int(start), int(end)
-                    if start_ns > 0:
-                        append(Span(trace_id, span_id, parent or "", site.name, site.kind, start_ns,
-                                    end_ns if end_ns > start_ns else start_ns,
-                                    res.worker or site.route_worker or fallback, site.attrs))
-                        continue
-            try:  # another layout (a failed call's span): decode this one span
-                raw = json.loads('{"traceId":"' + p + "}")
-            except json.JSONDecodeError:
+        for piece in text[lo:hi].split(_SEP):
+            if (sp := self._piece_span(piece, res, path, fallback)) is None:
                 return None
-            sp = parse_span(raw, res, path)
-            if sp is None:
-                return None
-            append(sp)
+            out.append(sp)
         return out
+
+    def _piece_span(self, p: str, res: Resource, path: Path, fallback: str) -> Span | None:
+        """The span of one piece; None if it is no span."""
+        m = _IDS.match(p)
+        if m is not None:
+            tail = p[m.end():]  # a call site and an OK status: the key, so a hit needs no test of the status
+            site = self._sites.get(tail)
+            if site is None and tail.endswith(_OK):
+                site = self._sites[tail] = _decode(tail[:-len(_OK)], _site_of) or _NO_SITE
+            if site is not None and site is not _NO_SITE:
+                trace_id, span_id, parent, start, end = m.groups()
+                start_ns, end_ns = int(start), int(end)
+                if start_ns > 0:
+                    return Span(trace_id, span_id, parent or "", site.name, site.kind, start_ns,
+                                end_ns if end_ns > start_ns else start_ns,
+                                res.worker or site.route_worker or fallback, site.attrs)
+        try:  # another layout (a failed call's span): decode this one span
+            raw = json.loads('{"traceId":"' + p + "}")
+        except json.JSONDecodeError:
+            return None
+        return parse_span(raw, res, path)
 
 
 def _site_of(d: dict[str, Any]) -> Site | None:

@@ -1,0 +1,13 @@
+# The C loops of _speedups.c (built by hatch_build.py where a C compiler works).
+from collections.abc import Callable
+from typing import Any
+
+def configure_span(span_type: type, fields: tuple[str, ...], prototype: Any, /) -> None: ...
+def configure_events(frac: tuple[str, ...], kind_client: int, marker_ns: int, long_ns: int, slice: str,
+                     slice_child: str, mark: str, long_client: str, long_server: str, flows: tuple[str, ...],
+                     marks: tuple[str, ...], /) -> None: ...
+def line_spans(text: str, lo: int, hi: int, sites: dict[str, Any], no_site: Any, res_worker: str | None,
+               fallback: str, /) -> tuple[list[Any], list[int]] | None: ...
+def encode_spans(group: list[Any], i: int, chunk: int, zero_ns: int, lanes: list[str], base_tid: int,
+                 first_flow_id: int, parts: dict[int, tuple[str, str, str]],
+                 slice_parts: Callable[[Any], tuple[str, str, str]], /) -> tuple[str, int, int, bool]: ...
