@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[tuple[float, float, int]]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for v in variants:
-                    wall, cpu, rss, err = run_merge(inputs, output, ["-q", *shlex.split(v)])
+                    wall, cpu, rss, err = run_merge(inputs, output, [*shlex.split(v), "-q"])
                     runs[v].append((wall, cpu, rss))
                     size_out = output.stat().st_size
                     output.unlink()
