@@ -274,6 +274,15 @@ static PyObject *piece_span(const char *p, const char *end, PyObject *sites, PyO
     return obj;
 }
 
+/* The first ``pat`` in [p, end), or NULL (memmem is not everywhere). */
+static const char *find(const char *p, const char *end, const char *pat, Py_ssize_t n) {
+    while (end - p >= n && (p = memchr(p, pat[0], end - p - n + 1)) != NULL) {
+        if (memcmp(p, pat, n) == 0) return p;
+        p++;
+    }
+    return NULL;
+}
+
 /* line_spans(text, lo, hi, sites, no_site, res_worker, fallback) -> (spans, holes) | None
  *
  * The spans of text[lo:hi], the pieces between '},{"traceId":"' separators; a piece
@@ -293,7 +302,7 @@ static PyObject *line_spans(PyObject *self, PyObject *args) {
     PyObject *spans = PyList_New(0), *holes = PyList_New(0);
     if (!spans || !holes) goto fail;
     for (;;) {
-        const char *next = memmem(p, end - p, sep, sep_len);
+        const char *next = find(p, end, sep, sep_len);
         const char *stop = next ? next : end;
         PyObject *item = piece_span(p, stop, sites, no_site, res_worker, fallback);
         if (!item) {
