@@ -1,7 +1,7 @@
 /* rpc_observe.merge._speedups: the two per-span loops of `rpc-observe merge` in C.
  *
  *   line_spans   reads the spans of one span-file line in the exporter's own layout
- *                (spanfile.SpanReader._fast_spans);
+ *                (spanfile.SpanReader._piece_span, piece by piece);
  *   encode_spans encodes a lane group's slices, markers and flow ends
  *                (encode._slices).
  *
@@ -133,16 +133,21 @@ static PyObject *configure_span(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!keep(type) || !keep(proto)) return NULL;
-    PyObject *dict = ((PyTypeObject *)type)->tp_dict;
+    Py_ssize_t offset[N_FIELDS]; /* taken only once all are found */
     for (int f = 0; f < N_FIELDS; f++) {
-        PyObject *d = PyDict_GetItemWithError(dict, PyTuple_GET_ITEM(fields, f));
-        if (!d || Py_TYPE(d) != &PyMemberDescr_Type || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+        PyObject *d = PyObject_GetAttr(type, PyTuple_GET_ITEM(fields, f)); /* a slot: its member descriptor */
+        int slot = d && Py_TYPE(d) == &PyMemberDescr_Type
+                   && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
+        if (slot) offset[f] = ((PyMemberDescrObject *)d)->d_member->offset;
+        Py_XDECREF(d);
+        if (!slot) {
+            PyErr_Clear();
             PyErr_Format(PyExc_TypeError, "configure_span: %R is not a slot of the span type",
                          PyTuple_GET_ITEM(fields, f));
             return NULL;
         }
-        field_offset[f] = ((PyMemberDescrObject *)d)->d_member->offset;
     }
+    memcpy(field_offset, offset, sizeof(offset));
     span_type = (PyTypeObject *)type;
     for (int f = 0; f < N_FIELDS; f++) field_default[f] = FIELD(proto, f);
     Py_RETURN_NONE;

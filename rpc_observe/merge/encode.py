@@ -215,8 +215,11 @@ def _error_slice(s: Span, pid: int, ts: float, dur: float) -> dict[str, Any]:
 
 
 if speedups.C is not None:
-    speedups.C.configure_events(
-        _FRAC, KIND_CLIENT, _MARKER_NS, _LONG_NS, _SLICE, _SLICE_CHILD, _MARK, _LONG_ENDS[KIND_CLIENT],
-        _SERVER_LONG_ENDS,
-        tuple(_named(template, name) for ends in (_CLIENT_ENDS, _SERVER_ENDS) for template, name in ends[1:]),
-        _CLIENT_ENDS[0] + _SERVER_ENDS[0])
+    try:
+        speedups.C.configure_events(
+            _FRAC, KIND_CLIENT, _MARKER_NS, _LONG_NS, _SLICE, _SLICE_CHILD, _MARK, _LONG_ENDS[KIND_CLIENT],
+            _SERVER_LONG_ENDS,
+            tuple(_named(template, name) for ends in (_CLIENT_ENDS, _SERVER_ENDS) for template, name in ends[1:]),
+            _CLIENT_ENDS[0] + _SERVER_ENDS[0])
+    except (TypeError, ValueError):  # built from another version of these templates: pure Python
+        speedups.C = None

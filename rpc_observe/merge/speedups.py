@@ -26,7 +26,10 @@ def _load() -> ModuleType | None:
     except ImportError:
         return None
     fields = tuple(f.name for f in dataclasses.fields(Span))
-    _speedups.configure_span(Span, fields, Span("", "", "", "", 0, 0, 0, "", {}))
+    try:
+        _speedups.configure_span(Span, fields, Span("", "", "", "", 0, 0, 0, "", {}))
+    except (TypeError, ValueError):  # built from another version of this code: pure Python
+        return None
     return _speedups
 
 

@@ -5,6 +5,7 @@ and whole merges byte for byte, with the C loops and without."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -38,6 +39,20 @@ def test_the_c_loops_are_built_where_a_compiler_is():
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the merge runs in pure Python")
     assert C is not None, "rpc_observe/merge/_speedups.c is not built: reinstall (pip install -e .)"
+
+
+@needs_c
+def test_a_span_type_without_the_slots_is_refused():
+    class NotSpan:
+        def __init__(self) -> None:
+            self.trace_id = ""
+
+    fields = tuple(f.name for f in dataclasses.fields(Span))
+    with pytest.raises(TypeError, match="not a slot"):
+        C.configure_span(NotSpan, fields, NotSpan())
+    reader = SpanReader(lambda spans: None, "run")  # and the spans are still made as before
+    expected = reader._piece_span(VALID[1], Resource("w0", 1, "run"), Path("w0-1.jsonl"), "fb")
+    assert C.line_spans(VALID[1], 0, len(VALID[1]), reader._sites, _NO_SITE, "w0", "fb") == ([expected], [])
 
 
 def _mutations(piece: str, rng: random.Random, n: int) -> list[str]:
