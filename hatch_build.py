@@ -1,7 +1,7 @@
 """Builds the merge's C loops (rpc_observe/merge/_speedups.c) into the wheel.
 
 Where no C compiler works, the wheel is built without them, with one message,
-and ``rpc-observe merge`` runs in pure Python (the same output, in about 1.6
+and ``rpc-observe merge`` runs in pure Python (the same output, in 1.4-1.7
 times the time).  ``RPC_OBSERVE_MERGE_SPEEDUPS=0`` at install builds without
 them too.  ``python hatch_build.py`` builds them in place, next to the source
 (for tests run from a checkout, as an editable install does).
