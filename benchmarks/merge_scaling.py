@@ -13,6 +13,7 @@ Run by hand (the 1M-span input is about 0.6 GB, and is deleted afterwards)::
     .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --rotate 3 --merge-args=--max-spans=100000
     .venv/bin/python benchmarks/merge_scaling.py --sizes 1000000 --compare=-j2 --rounds 3   # side by side
     .venv/bin/python benchmarks/merge_scaling.py --compare=RPC_OBSERVE_MERGE_SPEEDUPS=0 --rounds 3  # without C
+    .venv/bin/python benchmarks/merge_scaling.py --servers 2          # a parameter-server job: few call sites
     .venv/bin/python benchmarks/merge_scaling.py --sizes 100000 --instructions   # + valgrind's count (-j1, ~1 min)
 
 This VM's speed drifts by +-25 % within an hour (the same 1M-span merge: 8 to 12 s), so a
@@ -103,8 +104,10 @@ class SpanWriter:
             self._part_path(part).rename(self.base if age == 0 else self.base.with_name(f"{self.base.name}.{age}"))
 
 
-def generate(root: Path, n_spans: int, rotate: int = 1, seed: int = 1) -> int:
-    """Write ``n_spans`` spans (``n_spans // 2`` RPCs) of a 16-worker run; returns bytes written."""
+def generate(root: Path, n_spans: int, rotate: int = 1, seed: int = 1, servers: int = 0) -> int:
+    """Write ``n_spans`` spans (``n_spans // 2`` RPCs) of a 16-worker run; returns bytes written.
+    Every worker calls every other (11,520 call sites: a worst case), or, with ``servers``, the
+    first ``servers`` workers serve and the others call them (a parameter-server job)."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     names = [f"worker{i}" for i in range(WORKERS)]
@@ -114,7 +117,11 @@ def generate(root: Path, n_spans: int, rotate: int = 1, seed: int = 1) -> int:
     sites: dict[tuple, str] = {}
     t = T0_NS
     for i in range(n_spans // 2):
-        src, dst = rng.sample(names, 2)
+        if servers:
+            dst = names[rng.randrange(servers)]
+            src = names[rng.randrange(servers, WORKERS)]
+        else:
+            src, dst = rng.sample(names, 2)
         method, mode = METHODS[i % len(METHODS)], MODES[i % 7 % len(MODES)]
         key = (method, mode, src, dst)
         site = sites.get(key)
@@ -203,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10000,100000,1000000", help="span counts, comma-separated")
     ap.add_argument("--rotate", type=int, default=1, help="files per worker (rotated like logrotate)")
+    ap.add_argument("--servers", type=int, default=0, metavar="K",
+                    help="workers 0..K-1 serve and the others call them, a parameter-server job "
+                         "(default: every worker calls every other, 11,520 call sites: a worst case)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, deleted)")
     ap.add_argument("--merge-args", default="", help="extra arguments for rpc-observe merge")
     ap.add_argument("--profile", action="store_true", help="also cProfile the merge of each size")
@@ -215,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also count the instructions of one -j1 merge per size and variant under valgrind's "
                          "callgrind (repeatable where wall time is not; ~50x slower)")
     args = ap.parse_args(argv)
+    if not 0 <= args.servers < WORKERS:
+        ap.error(f"--servers: 0 (all pairs) to {WORKERS - 1}")
     extra = shlex.split(args.merge_args)
     variants = [args.merge_args] + args.compare
     work = Path(args.dir or tempfile.mkdtemp(prefix="merge_scaling_"))
@@ -222,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in (int(s) for s in args.sizes.split(",")):
             inputs, output = work / f"spans-{n}", work / f"merged-{n}.json"
-            size_in = generate(inputs, n, args.rotate)
+            size_in = generate(inputs, n, args.rotate, servers=args.servers)
             runs: dict[str, list[tuple[float, float, int]]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for v in variants:
@@ -251,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"rpc-observe merge, {WORKERS} workers, {BATCH} spans a line, {args.rotate} file(s) a worker, "
+    layout = f"{args.servers} server(s) called by the others" if args.servers else "all pairs calling"
+    print(f"rpc-observe merge, {WORKERS} workers ({layout}), {BATCH} spans a line, {args.rotate} file(s) a worker, "
           f"{args.rounds} round(s) a variant (median; variants alternate on the same input)")
     print("| spans | merge args | input MB | output MB | wall s | runs s | CPU s | spans/s (wall) | spans/s (CPU) "
           "| peak RSS MB | RSS / output |")
