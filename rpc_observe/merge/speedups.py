@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from types import ModuleType
 
 from .model import Span
@@ -19,8 +20,12 @@ ENV = "RPC_OBSERVE_MERGE_SPEEDUPS"
 
 
 def _load() -> ModuleType | None:
-    if os.environ.get(ENV, "").strip() == "0":
+    value = os.environ.get(ENV, "").strip()
+    if value == "0":
         return None
+    if value not in ("", "1"):
+        print(f"rpc-observe merge: {ENV}={value!r} is not 0 (pure Python) or 1 (the C loops, where built); "
+              "using 1", file=sys.stderr)
     try:
         from . import _speedups
     except ImportError:

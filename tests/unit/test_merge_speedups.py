@@ -9,6 +9,8 @@ import dataclasses
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,16 @@ def test_a_span_type_without_the_slots_is_refused():
     reader = SpanReader(lambda spans: None, "run")  # and the spans are still made as before
     expected = reader._piece_span(VALID[1], Resource("w0", 1, "run"), Path("w0-1.jsonl"), "fb")
     assert C.line_spans(VALID[1], 0, len(VALID[1]), reader._sites, _NO_SITE, "w0", "fb") == ([expected], [])
+
+
+@pytest.mark.parametrize("value, pure, says", [("0", True, False), ("1", False, False), ("", False, False),
+                                               ("off", False, True)])
+def test_the_switch_takes_0_or_1_and_names_anything_else(value, pure, says):
+    probe = "from rpc_observe.merge import speedups; print(speedups.C is None)"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**os.environ, speedups.ENV: value})
+    assert run.stdout.strip() == str(pure or C is None)
+    assert (f"{speedups.ENV}='off' is not 0 (pure Python) or 1" in run.stderr) == says
 
 
 def _mutations(piece: str, rng: random.Random, n: int) -> list[str]:
