@@ -89,7 +89,8 @@ static PyObject *keep(PyObject *o) {
     return PyList_Append(config_refs, o) < 0 ? NULL : o;
 }
 
-/* A %-format with only %s and %d (and no %%) as its literal pieces. */
+/* A %-format with only %s and %d (and no %%), as its literal pieces; emit() writes each
+ * value by its own type, whatever the letter. */
 static int template_of(PyObject *fmt, Template *t, Py_ssize_t expected) {
     if (!is_ascii_str(fmt)) { PyErr_SetString(PyExc_TypeError, "template: an ASCII str"); return -1; }
     if (!keep(fmt)) return -1;
@@ -157,6 +158,7 @@ static PyObject *configure_span(PyObject *self, PyObject *args) {
  *                  long_server, flows, marks): encode.py's tables and event templates. */
 static PyObject *configure_events(PyObject *self, PyObject *args) {
     PyObject *frac, *sl, *slc, *mark, *lc, *ls, *flows, *marks;
+    configured = 0; /* encode_spans() refuses to run on tables half replaced */
     if (!PyArg_ParseTuple(args, "O!lLLOOOOOO!O!", &PyTuple_Type, &frac, &kind_client, &marker_ns, &long_ns,
                           &sl, &slc, &mark, &lc, &ls, &PyTuple_Type, &flows, &PyTuple_Type, &marks))
         return NULL;
