@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"{PROG}: {msg}", file=sys.stderr)
 
+    if (bad := speedups.bad_switch()) is not None:
+        say(bad)
     limits = Limits(args.since, args.until, args.max_spans)
     result = merge(paths, run_id=args.run_id, exclude=[args.output], log=None if args.quiet else say,
                    limits=limits, stream=True, jobs=args.jobs)

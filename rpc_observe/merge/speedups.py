@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from types import ModuleType
 
 from .model import Span
@@ -19,13 +18,17 @@ from .model import Span
 ENV = "RPC_OBSERVE_MERGE_SPEEDUPS"
 
 
-def _load() -> ModuleType | None:
+def bad_switch() -> str | None:
+    """What is wrong with ``RPC_OBSERVE_MERGE_SPEEDUPS`` (the C loops then stay on), or None; said once, by the CLI."""
     value = os.environ.get(ENV, "").strip()
-    if value == "0":
+    if value in ("", "0", "1"):
         return None
-    if value not in ("", "1"):
-        print(f"rpc-observe merge: {ENV}={value!r} is not 0 (pure Python) or 1 (the C loops, where built); "
-              "using 1", file=sys.stderr)
+    return f"{ENV}={value!r} is not 0 (pure Python) or 1 (the C loops, where built); using 1"
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get(ENV, "").strip() == "0":
+        return None
     try:
         from . import _speedups
     except ImportError:

@@ -59,12 +59,16 @@ def test_a_span_type_without_the_slots_is_refused():
 
 @pytest.mark.parametrize("value, pure, says", [("0", True, False), ("1", False, False), ("", False, False),
                                                ("off", False, True)])
-def test_the_switch_takes_0_or_1_and_names_anything_else(value, pure, says):
+def test_the_switch_takes_0_or_1_and_the_command_names_anything_else(tmp_path, value, pure, says):
+    env = {**os.environ, speedups.ENV: value}
     probe = "from rpc_observe.merge import speedups; print(speedups.C is None)"
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                         env={**os.environ, speedups.ENV: value})
-    assert run.stdout.strip() == str(pure or C is None)
-    assert (f"{speedups.ENV}='off' is not 0 (pure Python) or 1" in run.stderr) == says
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    assert run.stdout.strip() == str(pure or C is None) and run.stderr == ""  # importing says nothing
+    run = subprocess.run([sys.executable, "-m", "rpc_observe", "merge", str(tmp_path), "-o", str(tmp_path / "o.json")],
+                         capture_output=True, text=True, env=env)
+    said = [line for line in run.stderr.splitlines() if speedups.ENV in line]
+    assert said == ([f"rpc-observe merge: {speedups.ENV}='off' is not 0 (pure Python) or 1 (the C loops, "
+                     "where built); using 1"] if says else [])
 
 
 def _mutations(piece: str, rng: random.Random, n: int) -> list[str]:
