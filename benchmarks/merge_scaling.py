@@ -16,9 +16,9 @@ Run by hand (the 1M-span input is about 0.6 GB, and is deleted afterwards)::
     .venv/bin/python benchmarks/merge_scaling.py --servers 2          # a parameter-server job: few call sites
     .venv/bin/python benchmarks/merge_scaling.py --sizes 100000 --instructions   # + valgrind's count (-j1, ~1 min)
 
-This VM's speed drifts by +-25 % within an hour (the same 1M-span merge: 8 to 12 s), so a
-change of a few % is judged by ``--instructions``: the merge's instructions under
-``valgrind --tool=callgrind``, repeatable to about 0.2 % (100,000 spans: 9.19 to 9.21 G in three runs).
+This VM's speed drifts by +-25 % within an hour, so a change of a few % is judged by
+``--instructions``: the merge's instructions under ``valgrind --tool=callgrind``, repeatable to
+about 0.2 % (three runs of the same 100,000-span merge differed by 0.2 %).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def count_instructions(inputs: Path, output: Path, extra: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m", "rpc_observe",
-               "merge", str(inputs), "-o", str(output), "-q", "-j1", *extra]
+               "merge", str(inputs), "-o", str(output), *extra, "-q", "-j1"]  # -j1 last: helpers go uncounted
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         for line in proc.stderr.splitlines():
             if "Collected :" in line:
