@@ -34,6 +34,8 @@ RPC_OBSERVE_SIGNALS = "RPC_OBSERVE_SIGNALS"
 RPC_OBSERVE_GIL_PROFILING = "RPC_OBSERVE_GIL_PROFILING"
 RPC_OBSERVE_SPANS_MAX_BYTES = "RPC_OBSERVE_SPANS_MAX_BYTES"
 RPC_OBSERVE_SPANS_FILE_BYTES = "RPC_OBSERVE_SPANS_FILE_BYTES"
+RPC_OBSERVE_RECORDER_SIZE = "RPC_OBSERVE_RECORDER_SIZE"
+RPC_OBSERVE_HANG_SECONDS = "RPC_OBSERVE_HANG_SECONDS"
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
@@ -85,6 +87,10 @@ class Config:
     bsp_max_queue_size: int = 16384
     bsp_max_export_batch_size: int = 2048
     bsp_export_timeout_s: float = 5.0
+    recorder_size: int = 1000  # the flight recorder's last finished calls; 0: none kept
+    # A call in flight or a UDF running longer than this is dumped by the watchdog: half torch's
+    # default 60 s RPC timeout, so the evidence is written before torch's timeout clears it. 0: off.
+    hang_seconds: float = 30.0
 
     @property
     def tracing(self) -> bool:
@@ -226,4 +232,6 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         bsp_max_queue_size=_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 16384, 1, 10_000_000),
         bsp_max_export_batch_size=_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 2048, 1, 10_000_000),
         bsp_export_timeout_s=_number(env, "OTEL_BSP_EXPORT_TIMEOUT", 5000, 1, 3_600_000, scale=1000),
+        recorder_size=_number(env, RPC_OBSERVE_RECORDER_SIZE, 1000, 0, 1_000_000),
+        hang_seconds=_number(env, RPC_OBSERVE_HANG_SECONDS, 30.0, 0.0, 86400.0, kind=float),
     )

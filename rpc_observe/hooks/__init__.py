@@ -16,17 +16,27 @@ if TYPE_CHECKING:
 
 
 def attach(runtime: Runtime) -> None:
-    """Gives a new runtime what needs torch: the call sweep, torch's debug state, profiler events."""
-    from . import calls, compat, torch_state
+    """Gives a new runtime what needs torch: the call sweep, the flight recorder, torch's debug state,
+    profiler events."""
+    import collections
 
+    from ..telemetry.recorder import FlightRecorder
+    from . import calls, compat, pickler, snapshot, torch_state
+
+    config = runtime.config
+    if calls.finished.maxlen != config.recorder_size:  # the pickler's inline ending appends to it too
+        calls.finished = collections.deque(maxlen=config.recorder_size)
+        pickler._finished_append = calls.finished.append
+    runtime.recorder = FlightRecorder(runtime.worker, runtime.rank, runtime.run_id, runtime.out_dir,
+                                      config.hang_seconds, snapshot.tables, snapshot.oldest)
     runtime.add_housekeeping(calls.sweep)
+    runtime.add_closing(runtime.recorder.dump_if_calls_in_flight)  # first: before the calls are ended
     runtime.add_closing(calls.end_unfinished)
     if runtime.metrics is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
-        runtime.state.source = torch_state.debug_state
+        runtime.state.source = lambda: snapshot.age_gauges() + torch_state.debug_state()
     if compat.check("traffic"):
         _patch_traffic()
-    config = runtime.config
     if (config.profiler_events or config.profile) and compat.check("profiler"):
         from .profiler_events import ProfilerEvents
 

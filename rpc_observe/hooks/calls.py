@@ -16,10 +16,16 @@ A call starts in `client` (a `Call` per call), gets an id when its request is pi
 - `end_raised`, when torch raised before the call had a future.
 The callee's half of the echo is `pending_replies`: `server` leaves the caller's call id
 there for the thread that pickles the UDF's response.
+
+The flight recorder (`recorder`) reads three tables kept here: `in_flight`, `serving` (the
+UDF each pool thread runs, by thread id) and `finished` (the last finished calls). A call
+remembers the thread that issued it and the UDF that thread was serving then (`parent`):
+that link turns the workers' tables into one wait-for graph.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -29,7 +35,7 @@ from torch.autograd import _profiler_enabled
 from torch.distributed.rpc.internal import RemoteException
 
 from ..telemetry import health
-from ..telemetry.metrics import fold_finished
+from ..telemetry.metrics import fold_finished, fold_split
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
@@ -47,23 +53,31 @@ next_id = itertools.count(1).__next__
 # The site and caller's call id of the UDF whose response is pickled next on a thread, by
 # thread id: torch's pool threads get a fresh Python thread state (and an empty
 # threading.local) every time they take the GIL, between running a UDF and pickling its response.
-pending_replies: dict[int, tuple[ServerSite, str]] = {}
+pending_replies: dict[int, tuple[ServerSite, str, float]] = {}  # (site, caller's call id, request's perf_counter)
 _sweep_lock = threading.Lock()
 _time_ns = time.time_ns
 _native_id = threading.get_native_id
+_get_ident = threading.get_ident
 Error = tuple[str, str]  # (error.type, message)
+# The UDF each thread runs, by thread id: (ServerSite, the caller's call id text, start ns, trace id or 0).
+Served = tuple[Any, str, int, int]
+serving: dict[int, Served] = {}
+# The last finished calls, oldest first: (ClientSite, call id, start ns, end ns, error.type or None).
+finished: collections.deque[tuple[Any, int, int, int, str | None]] = collections.deque(maxlen=1000)
 
 
 class Call:
     """One client call in flight."""
 
-    __slots__ = ("runtime", "site", "start_ns", "span", "rf", "tid", "id", "future")
+    __slots__ = ("runtime", "site", "start_ns", "span", "rf", "tid", "id", "future", "thread", "parent")
 
     def __init__(self, runtime: Runtime, site: ClientSite) -> None:
         self.runtime, self.site = runtime, site
         self.start_ns = _time_ns()
         self.id = 0
         self.future: Any = None
+        self.thread = thread = _get_ident()
+        self.parent = serving.get(thread) if serving else None  # the UDF this call waits inside, if any
         tracer, profiler = runtime.tracer, runtime.profiler
         self.span = tracer.start_client(site.span_name, site.attributes, self.start_ns) if tracer else None
         if profiler is not None:
@@ -74,15 +88,24 @@ class Call:
         if site.record is not None:
             site.record(site.started)
 
-    def finish(self, end_ns: int | None = None, error: Error | None = None) -> None:
-        """Ends the call at `end_ns` (now if None): the reference ending, that every other one matches."""
+    def finish(self, end_ns: int | None = None, error: Error | None = None, callee_ns: int = -1) -> None:
+        """Ends the call at `end_ns` (now if None): the reference ending, that every other one matches.
+
+        `callee_ns`: the callee's own time for the call, from its response (-1: not known)."""
         end_ns = _time_ns() if end_ns is None else end_ns
         runtime, site = self.runtime, self.site
+        finished.append((site, self.id, self.start_ns, end_ns, error[0] if error is not None else None))
+        if error is not None and error[0] == TIMEOUT and runtime.recorder is not None:
+            runtime.recorder.request_dump(TIMEOUT)  # written by the housekeeping thread, never here
         if site.record is not None:
-            site.record((fold_finished, site.cells, (end_ns - self.start_ns) / 1e9))
+            if callee_ns >= 0 and error is None:
+                site.record((fold_split, site.cells, (end_ns - self.start_ns) / 1e9, callee_ns / 1e9))
+            else:
+                site.record((fold_finished, site.cells, (end_ns - self.start_ns) / 1e9))
             if error is not None:
                 runtime.metrics.count_error("client", site.method, site.dst, error[0])
         if self.span is not None:
+            self.span.callee_ns = callee_ns
             if error is None:
                 runtime.tracer.end(self.span, end_ns)
             else:
@@ -138,6 +161,7 @@ def sweep() -> None:
 
 
 SHUTDOWN = "shutdown"
+TIMEOUT = "timeout"
 
 
 def end_unfinished() -> None:
@@ -174,7 +198,7 @@ def classify(error: BaseException) -> str:
     if name == "RuntimeError":
         text = str(error)[:512].lower()
         if "timeout" in text or "timed out" in text:
-            return "timeout"
+            return TIMEOUT
         if "connection" in text or "pipe" in text or "eof" in text or "shut down" in text:
             return "connection_error"
     return name

@@ -18,7 +18,7 @@ from torch.distributed.rpc.internal import PythonUDF, RemoteException
 
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
-from ..telemetry.metrics import MessageCells, fold_finished, fold_message
+from ..telemetry.metrics import MessageCells, fold_finished, fold_message, fold_split
 from . import calls, trailer
 from .naming import RREF_FETCH, is_proxy, method_name, proxy_method
 
@@ -30,12 +30,14 @@ _time_ns = time.time_ns
 _tuple_new = tuple.__new__
 _thread_id = threading.get_ident
 _local, _in_flight, _next_id, _pending_replies = calls.local, calls.in_flight, calls.next_id, calls.pending_replies
+_finished_append = calls.finished.append
 _MAX_IN_FLIGHT = calls.MAX_IN_FLIGHT
 # The trailer layout, bound as module constants for the inline fast paths below.
 _MAGIC, _MAGIC_SIZE, _OVERHEAD = trailer.MAGIC, trailer.MAGIC_SIZE, trailer.OVERHEAD
 _REQUEST_PREFIX, _RESPONSE_PREFIX = trailer.REQUEST_PREFIX, trailer.RESPONSE_PREFIX
 _PREFIX_SIZE = len(_REQUEST_PREFIX)
 _CALL_ID, _MAX_CALL_ID_DIGITS, _SEP = trailer.CALL_ID, trailer.MAX_CALL_ID_DIGITS, trailer.SEP
+_SEP_BYTES = _SEP.encode()
 _UNKNOWN = "unknown"
 _MAX_CACHED = 10_000
 # torch clones a tensor before sending it when it is a small view of a big storage
@@ -60,7 +62,8 @@ def tensor_sizes(tensors: list[Any]) -> tuple[int, int]:
     return logical, traveling
 
 
-def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any], seconds: float) -> Any:
+def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any], start: float,
+                      seconds: float) -> Any:
     """Requests, and responses that are not echoed (or whose trailer is malformed)."""
     size, fields = trailer.split(data)
     record = runtime.metrics.record if runtime.metrics is not None else None
@@ -74,6 +77,7 @@ def _on_other_message(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any
     if fields is not None and fields[trailer.KIND] == trailer.REQUEST and (request or isinstance(obj, AttributeError)):
         if request:
             obj = _tuple_new(_IncomingUDF, obj)
+            obj.rpc_observe_start = start
         obj.rpc_observe_fields = fields  # for the wrapped _run_function
     if record is not None:
         peer_cell, wire_bytes = None, 0
@@ -125,6 +129,7 @@ class _IncomingUDF(PythonUDF):
     """A PythonUDF that also carries the caller's trailer fields to `_run_function`."""
 
     rpc_observe_fields: list[str]
+    rpc_observe_start: float  # perf_counter() when its unpickling started
 
 
 def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -156,9 +161,11 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
                 return data + tail, tensors
             reply = _pending_replies.pop(_thread_id(), None)
             if reply is not None:  # the response of a UDF this thread just ran
-                site, echo = reply
+                site, echo, request_start = reply
                 record = site.record
-                tail = trailer.response_trailer(echo) if echo else b""
+                # The callee's time: from unpickling the request to having pickled this response.
+                tail = (trailer.response_trailer(echo, int((start + seconds - request_start) * 1e6) if request_start
+                                                 else -1) if echo else b"")
             else:
                 record = runtime.metrics.record if runtime.metrics is not None else None
                 tail = b""
@@ -197,11 +204,14 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
             if data[-_MAGIC_SIZE:] == _MAGIC and len(data) > _OVERHEAD and data[-_MAGIC_SIZE - 1] == 0:
                 size = data[-_OVERHEAD]
                 payload = data[-_OVERHEAD - size:-_OVERHEAD]
-                if payload[:_PREFIX_SIZE] == _RESPONSE_PREFIX and payload[_PREFIX_SIZE:].isdigit():
-                    call = _in_flight.pop(int(payload[_PREFIX_SIZE:]), None)
+                if payload[:_PREFIX_SIZE] == _RESPONSE_PREFIX:  # `r, call id[, callee us]`
+                    echo, _, callee_us = payload[_PREFIX_SIZE:].partition(_SEP_BYTES)
+                    call = _in_flight.pop(int(echo), None) if echo.isdigit() and (
+                        callee_us.isdigit() or not callee_us) and len(callee_us) <= _MAX_CALL_ID_DIGITS else None
                     if call is not None:
                         site = call.site
                         end_ns = _time_ns()
+                        callee_ns = int(callee_us) * 1000 if callee_us else -1
                         record = site.record
                         if record is not None:  # what came from the peer: pickle, trailer and storages
                             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
@@ -209,13 +219,19 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                                     logical, traveling, seconds, site.received, len(data) + traveling))
                         if type(obj) is RemoteException or call.rf is not None or (
                                 runtime.profiler is not None and runtime.profiler.armed):
-                            call.finish(end_ns, calls.remote_error(obj))
+                            call.finish(end_ns, calls.remote_error(obj), callee_ns)
                             return obj
                         # Call.finish, inline, for a successful call no profiler has seen.
+                        _finished_append((site, call.id, call.start_ns, end_ns, None))
                         if record is not None:
-                            record((fold_finished, site.cells, (end_ns - call.start_ns) / 1e9))
-                        if call.span is not None:
-                            runtime.tracer.end(call.span, end_ns)
+                            if callee_ns >= 0:
+                                record((fold_split, site.cells, (end_ns - call.start_ns) / 1e9, callee_ns / 1e9))
+                            else:
+                                record((fold_finished, site.cells, (end_ns - call.start_ns) / 1e9))
+                        span = call.span
+                        if span is not None:
+                            span.callee_ns = callee_ns
+                            runtime.tracer.end(span, end_ns)
                         return obj
                 elif payload[:_PREFIX_SIZE] == _REQUEST_PREFIX and type(obj) is PythonUDF and payload.isascii():
                     # A request: `trailer.split`'s checks, inline; anything they do not accept goes through it.
@@ -224,13 +240,14 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                     if not call_id or (len(call_id) <= _MAX_CALL_ID_DIGITS and call_id.isdigit()):
                         obj = _tuple_new(_IncomingUDF, obj)
                         obj.rpc_observe_fields = fields  # for the wrapped _run_function
+                        obj.rpc_observe_start = start  # for the callee's time, in its response
                         if runtime.metrics is not None:
                             cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func, obj.args)
                             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
                             runtime.metrics.record((fold_message, cells, len(data) - size - _OVERHEAD, len(tensors),
                                                     logical, traveling, seconds, None, 0))
                         return obj
-            return _on_other_message(runtime, obj, data, tensors, seconds)
+            return _on_other_message(runtime, obj, data, tensors, start, seconds)
         except Exception:
             health.internal_error("deserialize")
             return obj

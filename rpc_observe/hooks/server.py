@@ -20,7 +20,7 @@ from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import fold_served
 from . import trailer
-from .calls import future_error, pending_replies, remote_error
+from .calls import future_error, pending_replies, remote_error, serving
 from .naming import PROXY_FUNCTIONS, is_internal, method_name, profiling_key, proxy_method, span_attributes
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Serving:
         try:
             if error is None and self.site.replies_later:
                 # torch pickles the value in a callback it adds after this one, on this thread: name its response.
-                pending_replies[_thread_id()] = (self.site, "")
+                pending_replies[_thread_id()] = (self.site, "", 0.0)
             self.finish(type(error).__name__ if error is not None else None,
                         str(error) if error is not None else None)
         except Exception:
@@ -133,17 +133,25 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 token = tracer.attach(span)
             profiler = runtime.profiler
             tid = _native_id() if profiler is not None and profiler.armed else 0
+            thread = _thread_id()
+            outer = serving.get(thread)  # a UDF that runs another in-process: restored after
+            serving[thread] = (site, fields[_CALL_ID] if fields is not None else "", start_ns,
+                               span.trace_id if span is not None else 0)
         except Exception:
             health.internal_error("server_start")
             return original(python_udf)
         try:
             result = original(python_udf)
         finally:
-            if token is not None:
-                try:
+            try:
+                if outer is None:
+                    serving.pop(thread, None)
+                else:
+                    serving[thread] = outer
+                if token is not None:
                     tracer.detach(token)
-                except Exception:
-                    health.internal_error("server_detach")
+            except Exception:
+                health.internal_error("server_detach")
         try:
             if site.is_async and hasattr(result, "add_done_callback"):
                 result.add_done_callback(Serving(runtime, site, start_ns, span, tid).on_done)
@@ -158,7 +166,8 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 if span is not None:
                     tracer.end(span, end_ns)
             if site.replies:
-                pending_replies[_thread_id()] = (site, fields[_CALL_ID] if fields is not None else "")
+                pending_replies[_thread_id()] = ((site, fields[_CALL_ID], getattr(python_udf, "rpc_observe_start", 0.0))
+                                                 if fields is not None else (site, "", 0.0))
         except Exception:
             health.internal_error("server_end")
         return result

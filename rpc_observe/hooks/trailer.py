@@ -8,7 +8,9 @@ context is appended after the pickle:
 A peer without rpc_observe (or with it switched off) unpickles the message exactly as
 before; a peer with it finds MAGIC at the very end. A request's fields are
 `q, src, mode, call id, carrier entries...`; a response's are `r, call id` (the echo that
-lets the caller end the call where it unpickles the response). The pickler's inline fast
+lets the caller end the call where it unpickles the response), optionally followed by the
+callee's own time for the call in microseconds, from unpickling the request to pickling the
+response (`r, call id, callee µs`): the caller splits its call's time with it. The pickler's inline fast
 path reads the same layout through these names; `split` is the reference parser, and
 tests/unit feed both the same bytes.
 """
@@ -30,6 +32,7 @@ RESPONSE_PREFIX = (RESPONSE + SEP).encode()
 # Field indices of a request (a response has KIND and RESPONSE_CALL_ID).
 KIND, SRC, MODE, CALL_ID, CONTEXT = 0, 1, 2, 3, 4
 RESPONSE_CALL_ID = 1
+RESPONSE_CALLEE_US = 2  # optional
 MAX_CALL_ID_DIGITS = 20
 
 
@@ -47,9 +50,9 @@ def request_trailer(head: str, call_id: int = 0, context: str = "") -> bytes:
     return payload + len(payload).to_bytes(LENGTH_SIZE, "little") + MAGIC
 
 
-def response_trailer(call_id: str) -> bytes:
-    """The trailer of a response: the caller's call id, echoed."""
-    return _pack(RESPONSE + SEP + call_id)
+def response_trailer(call_id: str, callee_us: int = -1) -> bytes:
+    """The trailer of a response: the caller's call id, echoed, and the callee's time in µs (if >= 0)."""
+    return _pack(RESPONSE + SEP + call_id + (SEP + str(callee_us) if callee_us >= 0 else ""))
 
 
 def _pack(text: str) -> bytes:
@@ -77,10 +80,13 @@ def split(data: bytes) -> tuple[int, list[str] | None]:
         kind = fields[KIND]
         if kind == REQUEST and len(fields) > CALL_ID:
             call_id = fields[CALL_ID]
-        elif kind == RESPONSE and len(fields) == RESPONSE_CALL_ID + 1:
+        elif kind == RESPONSE and len(fields) in (RESPONSE_CALL_ID + 1, RESPONSE_CALLEE_US + 1):
             call_id = fields[RESPONSE_CALL_ID]
+            if len(fields) > RESPONSE_CALLEE_US and not valid_call_id(fields[RESPONSE_CALLEE_US]):
+                raise ValueError("the callee's time is not a number")
         else:
-            raise ValueError("not a request (kind, src, mode, call id, ...) or response (kind, call id) trailer")
+            raise ValueError("not a request (kind, src, mode, call id, ...) or response (kind, call id[, callee µs]) "
+                             "trailer")
         if not valid_call_id(call_id):
             raise ValueError("the call id is not a number")
         return len(data) - size - OVERHEAD, fields

@@ -40,6 +40,10 @@ def otlp_attributes(attributes: dict) -> list[dict]:
 
 
 _TAIL = b"]}]}]}\n"
+# The callee's own time for a call, in s, on CLIENT spans sent to OTLP and console exporters. The span
+# files leave it out: there a call site's attributes are one piece of text that `rpc-observe merge`
+# decodes once per site, and the same split is in the file as the callee's SERVER span.
+CALLEE_DURATION = "torch.rpc.callee.duration"
 # A successful span, with and without a parent; the call site's name, kind and attributes go in the last %s.
 _SPAN_JSON = ('{"traceId":"%032x","spanId":"%016x","startTimeUnixNano":"%d","endTimeUnixNano":"%d"%s,'
               '"status":{"code":0}}')
@@ -322,6 +326,8 @@ class SdkExporterSink:
         )
         attributes, status = record.attributes, Status(StatusCode.UNSET)
         events: tuple[Event, ...] = ()
+        if record.callee_ns >= 0:  # a per-span value: here only, never in the span files (see CALLEE_DURATION)
+            attributes = {**attributes, CALLEE_DURATION: record.callee_ns / 1e9}
         if record.error_type is not None:
             attributes = {**attributes, "error.type": record.error_type}
             status = Status(StatusCode.ERROR, record.error_message)

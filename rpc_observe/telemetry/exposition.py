@@ -1,12 +1,24 @@
-"""Serving /metrics over HTTP and announcing the endpoint as a Prometheus file_sd target."""
+"""Serving /metrics and /debug/rpc over HTTP, and announcing the endpoint as a Prometheus file_sd target.
+
+The server is prometheus_client's WSGI app behind a small router: `/metrics` (and `/`, as
+prometheus_client serves it) give the metrics, `/debug/rpc` the flight recorder's JSON,
+anything else 404. Each request runs on a thread of its own (a ThreadingMixIn server), so
+neither a slow client nor a snapshot ever holds up a scrape or an RPC thread.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from ..config import RPC_OBSERVE_METRICS_PORT, Config
 
@@ -21,7 +33,48 @@ def local_rank(rank: int | None) -> int:
     return rank if rank is not None and rank >= 0 else 0
 
 
-def serve(registry: CollectorRegistry, config: Config, rank: int | None) -> tuple[object, int]:
+DebugSource = Callable[[], "bytes | None"]
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # no line on stderr per request
+        pass
+
+
+def _router(metrics_app: Callable[..., Iterable[bytes]], debug: DebugSource | None) -> Callable[..., Iterable[bytes]]:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path in ("/", "/metrics"):
+            return metrics_app(environ, start_response)
+        body = debug() if debug is not None and path == "/debug/rpc" else None
+        if body is None:
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: this endpoint serves /metrics and /debug/rpc\n"]
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+def start_http_server(port: int, addr: str, registry: CollectorRegistry,
+                      debug: DebugSource | None = None) -> tuple[WSGIServer, threading.Thread]:
+    """prometheus_client's `start_http_server`, with the router in front of its app."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    addr = str(sockaddr[0])
+    server_class = type("_FamilyServer", (_Server,), {"address_family": family})
+    app = _router(make_wsgi_app(registry), debug)
+    httpd: WSGIServer = make_server(addr, port, app, server_class, handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="rpc_observe-http", daemon=True)
+    thread.start()
+    return httpd, thread
+
+
+def serve(registry: CollectorRegistry, config: Config, rank: int | None,
+          debug: DebugSource | None = None) -> tuple[object, int]:
     """Starts the HTTP server on base port + local rank, or on a free port if that fails."""
     port = 0
     if config.metrics_port is not None:
@@ -35,7 +88,7 @@ def serve(registry: CollectorRegistry, config: Config, rank: int | None) -> tupl
             )
             port = 0
     try:
-        server, _ = start_http_server(port, addr=config.metrics_addr, registry=registry)
+        server, _ = start_http_server(port, config.metrics_addr, registry, debug)
     except OSError as e:
         if port == 0:
             raise
@@ -47,7 +100,7 @@ def serve(registry: CollectorRegistry, config: Config, rank: int | None) -> tupl
             config.metrics_port,
             e.strerror or e,
         )
-        server, _ = start_http_server(0, addr=config.metrics_addr, registry=registry)
+        server, _ = start_http_server(0, config.metrics_addr, registry, debug)
     return server, server.server_address[1]
 
 

@@ -77,6 +77,8 @@ class ClientCells(NamedTuple):
     in_flight: Cell
     sent_bytes: Cell
     received_bytes: Cell
+    callee: Cell  # the callee's own time, as its response says
+    outside: Cell  # the call's time minus the callee's: its pool's queue, (de)serialization, the wire
 
 
 # The records the hot paths queue, built there as plain tuple displays: a NamedTuple
@@ -87,6 +89,7 @@ class ClientCells(NamedTuple):
 #    a request the caller pickles, its received_bytes for a response it unpickles
 #   (fold_started, ClientCells)
 #   (fold_finished, ClientCells, seconds)
+#   (fold_split, ClientCells, seconds, the callee's seconds): a call whose response gave the callee's time
 #   (fold_served, duration cell, seconds)
 
 
@@ -149,6 +152,22 @@ def fold_finished(r: tuple) -> None:
     cells.in_flight[0] -= 1
 
 
+def fold_split(r: tuple) -> None:
+    """fold_finished, and the call's time split into the callee's own and the rest (client = callee + outside)."""
+    _, cells, seconds, callee = r
+    cell = cells.duration
+    cell[_bisect(LATENCY_BUCKETS, seconds)] += 1
+    cell[-1] += seconds if seconds > 0 else 0.0
+    cells.in_flight[0] -= 1
+    cell = cells.callee
+    cell[_bisect(LATENCY_BUCKETS, callee)] += 1
+    cell[-1] += callee
+    outside = seconds - callee if seconds > callee else 0.0  # clocks of one process: < 0 only by rounding
+    cell = cells.outside
+    cell[_bisect(LATENCY_BUCKETS, outside)] += 1
+    cell[-1] += outside
+
+
 def fold_served(r: tuple) -> None:
     _, cell, seconds = r
     cell[_bisect(LATENCY_BUCKETS, seconds)] += 1
@@ -205,6 +224,20 @@ class Metrics(Collector):
             w + ("method", "mode") + dst,
             LATENCY_BUCKETS,
         )
+        self.client_callee = _Family(
+            "torch_rpc_client_callee_seconds",
+            "The callee's own time for a call, as its response says: from unpickling the request to pickling "
+            "the response.",
+            w + ("method", "mode") + dst,
+            LATENCY_BUCKETS,
+        )
+        self.client_outside = _Family(
+            "torch_rpc_client_outside_seconds",
+            "A call's client duration minus the callee's own time: queueing in the callee's thread pool, "
+            "(de)serialization, the wire (client = callee + outside).",
+            w + ("method", "mode") + dst,
+            LATENCY_BUCKETS,
+        )
         self.client_requests = _Family(
             "torch_rpc_client_requests_total", "Client RPCs started.", w + ("method", "mode", "dst")
         )
@@ -244,6 +277,8 @@ class Metrics(Collector):
             self.storage_bytes,
             self.serialization_seconds,
             self.client_duration,
+            self.client_callee,
+            self.client_outside,
             self.server_duration,
         )
         self._counters = (self.client_requests, self.client_errors, self.client_sent_bytes, self.client_received_bytes,
@@ -294,6 +329,8 @@ class Metrics(Collector):
                 self.client_in_flight.child((self.worker, dst)),
                 self.client_sent_bytes.child((self.worker, dst)),
                 self.client_received_bytes.child((self.worker, dst)),
+                self.client_callee.child(latency),
+                self.client_outside.child(latency),
             )
 
     def server_cell(self, method: str, src: str) -> Cell:

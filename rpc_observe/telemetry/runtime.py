@@ -42,6 +42,7 @@ class Runtime:
         self.tracer: Any = None  # telemetry.tracing.Tracer when a traces exporter is set
         self.profiler: Any = None  # hooks.profiler_events.ProfilerEvents, attached by the hooks
         self.profile_session: Any = None  # RPC_OBSERVE_PROFILE's session, attached by the hooks
+        self.recorder: Any = None  # telemetry.recorder.FlightRecorder, attached by the hooks
         self.metrics_port: int | None = None
         self.target_path: str | None = None
         self.spans_path: str | None = None
@@ -102,8 +103,15 @@ class Runtime:
         while not self._stopped.wait(HOUSEKEEPING_PERIOD_S):
             try:
                 self.housekeeping()
+                if self.recorder is not None:  # here only: a scrape never writes a dump
+                    self.recorder.check()
             except Exception:
                 health.internal_error("housekeeping")
+
+    def debug_json(self) -> bytes | None:
+        """`GET /debug/rpc`: the flight recorder's snapshot, or None before the hooks attached it."""
+        recorder = self.recorder
+        return recorder.json_bytes() if recorder is not None else None
 
     def _make_out_dir(self) -> str | None:
         out_dir = self.config.out_dir
@@ -139,7 +147,7 @@ class Runtime:
         registry.register(self.metrics)
         registry.register(self.state)
         try:
-            self._server, self.metrics_port = exposition.serve(registry, self.config, rank)
+            self._server, self.metrics_port = exposition.serve(registry, self.config, rank, self.debug_json)
         except Exception as e:
             _logger.warning(
                 "rpc_observe: cannot serve metrics on %s (%s); metrics are still counted", self.config.metrics_addr, e

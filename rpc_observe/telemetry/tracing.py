@@ -69,6 +69,7 @@ class SpanRecord:
         "error_type",
         "error_message",
         "sampled",
+        "callee_ns",
     )
 
     def __init__(self, name, kind, trace_id, span_id, parent_id, remote_parent, sampled, attributes, start_ns):
@@ -84,6 +85,7 @@ class SpanRecord:
         self.end_ns = 0
         self.error_type = None
         self.error_message = None
+        self.callee_ns = -1  # a CLIENT span: the callee's own time, from its response (-1: not known)
 
 
 class RateLimiter:
@@ -199,21 +201,28 @@ class Tracer:
         return SpanRecord(name, SERVER, trace_id, _getrandbits(64), parent_id, True, sampled, attributes, start_ns)
 
     def attach(self, span: SpanRecord) -> object:
-        """Makes `span` the parent of what the UDF starts on this thread; returns a token for `detach`.
+        """Makes `span` the parent of what starts on this thread until `detach(token)`, which puts
+        back what was there before: attach/detach nest (a `dist_autograd.backward` inside a UDF).
 
         With a TracerProvider set, the UDF can start spans of its own, so `span` becomes the
         current OpenTelemetry span; without one, only this add-on's client spans can be its
-        children, and a per-thread entry (two dict operations) is all they need.
+        children, and a per-thread entry (three dict operations) is all they need.
         """
         if trace._TRACER_PROVIDER is not None:
             return context.attach(trace.set_span_in_context(NonRecordingSpan(_span_context(span))))
         ident = _get_ident()
-        self.serving[ident] = span
-        return ident
+        serving = self.serving
+        token = (ident, serving.get(ident))
+        serving[ident] = span
+        return token
 
     def detach(self, token: object) -> None:
-        if type(token) is int:
-            self.serving.pop(token, None)
+        if type(token) is tuple:
+            ident, outer = token
+            if outer is None:
+                self.serving.pop(ident, None)
+            else:
+                self.serving[ident] = outer
         else:
             context.detach(token)  # type: ignore[arg-type]
 

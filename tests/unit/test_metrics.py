@@ -184,7 +184,8 @@ def test_exposition_format_and_types(registry: CollectorRegistry, metrics: Metri
         "torch_rpc_server_duration_seconds": "histogram", "torch_rpc_client_requests": "counter",
         "torch_rpc_client_errors": "counter", "torch_rpc_client_sent_bytes": "counter",
         "torch_rpc_client_received_bytes": "counter",
-        "torch_rpc_server_errors": "counter", "torch_rpc_client_in_flight": "gauge"}
+        "torch_rpc_server_errors": "counter", "torch_rpc_client_in_flight": "gauge",
+        "torch_rpc_client_callee_seconds": "histogram", "torch_rpc_client_outside_seconds": "histogram"}
     assert "# TYPE torch_rpc_client_requests_total counter" in text
     assert 'torch_rpc_client_requests_total{dst="worker1",method="f",mode="sync",worker="worker0"} 1.0' in text
     assert 'le="1.048576e+06"' in text and 'le="+Inf"' in text and 'le="5e-05"' in text

@@ -530,3 +530,32 @@ def test_shutdown_waits_for_the_batch_the_export_thread_is_exporting(make_tracer
     done.join(2.0)
     tracer._thread.join(2.0)
     assert len(sink.records) == 7 and sink.late == []
+
+
+@pytest.mark.parametrize("provider", [False, True], ids=["no_provider", "tracer_provider"])
+def test_nested_attach_detach_restores_the_outer_parent(make_tracer: TracerFactory, provider: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A UDF's SERVER span stays the parent of its client spans after an INTERNAL span (a
+    dist_autograd.backward inside the UDF) was attached and detached, in both modes."""
+    if provider:
+        from opentelemetry.sdk.trace import TracerProvider
+
+        monkeypatch.setattr(trace, "_TRACER_PROVIDER", TracerProvider())
+    else:
+        monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
+    tracer, _ = make_tracer()
+    server = tracer.start_server("udf", ATTRS, None, time.time_ns())
+    outer = tracer.attach(server)
+    for _ in range(3):
+        before = tracer.start_client("rpc", ATTRS, time.time_ns())
+        internal = tracer.start_internal("dist_autograd.backward", ATTRS, time.time_ns())
+        inner = tracer.attach(internal)
+        child = tracer.start_client("grad", ATTRS, time.time_ns())
+        tracer.detach(inner)
+        after = tracer.start_client("rpc", ATTRS, time.time_ns())
+        assert (before.parent_id, internal.parent_id, after.parent_id) == (server.span_id,) * 3
+        assert child.parent_id == internal.span_id
+        assert {before.trace_id, internal.trace_id, child.trace_id, after.trace_id} == {server.trace_id}
+    tracer.detach(outer)
+    assert tracer.start_client("rpc", ATTRS, time.time_ns()).parent_id == 0  # nothing left attached
+    assert not tracer.serving
