@@ -15,7 +15,8 @@ Usage::
 ``build_dashboard()`` assembles the dashboard's settings, variables and
 annotation and its rows, one function per row (``_overview_row()``,
 ``_latency_row()``, ...), built from small panel helpers (``_ts``, ``_stat``,
-``_table``) and PromQL helpers (``_sum_rate``, ``_quantile``, ``_mean``).
+``_table``) and PromQL helpers (``_sum_rate``, ``_quantile``, ``_mean``,
+``_range_mean``).
 The SDK is imported inside those functions only.
 
 Besides the generator this module offers helpers that need no SDK, for
@@ -78,6 +79,12 @@ TRACE_METHOD_ATTRIBUTE = "rpc.method"
 # Above this share of storage bytes sent without being part of a tensor, the
 # wasted-storage stat turns red (e.g. sending a small view of a big tensor).
 WASTED_STORAGE_RED = 0.5
+
+# A call in flight or a UDF running for longer than this is stuck: the default of
+# RPC_OBSERVE_HANG_SECONDS (half torch's default 60 s RPC timeout, so that the evidence
+# is dumped before torch's timeout clears the call).  The age panels turn red above it;
+# deploy/prometheus/rules/rpc_observe.rules.yml alerts at the same value.
+STUCK_SECONDS = 30
 
 ALL_VALUE = ".*"
 
@@ -213,6 +220,11 @@ REQUESTS = "torch_rpc_client_requests_total"
 CLIENT_ERRORS = "torch_rpc_client_errors_total"
 CLIENT_DURATION = "torch_rpc_client_duration_seconds"
 SERVER_DURATION = "torch_rpc_server_duration_seconds"
+# Each call's client duration = CALLEE (the callee's own time, from unpickling the request
+# to pickling the response, as it reported it) + OUTSIDE (queueing in the callee's pool,
+# (de)serialization, the wire).
+CALLEE = "torch_rpc_client_callee_seconds"
+OUTSIDE = "torch_rpc_client_outside_seconds"
 
 # Workers whose RPC thread pool is fully busy: the annotation and a stat panel.
 NO_IDLE_EXPR = f"min by (job, worker) (torch_rpc_agent_idle_threads{{{JOB_WORKER}}}) == 0"
@@ -229,9 +241,18 @@ def _quantile(q: float, by: str = "le", metric: str = CLIENT_DURATION, selector:
     return f"histogram_quantile({q}, {_sum_rate(f'{metric}_bucket', by, selector)})"
 
 
-def _mean(metric: str, by: str, selector: str = JOB_WORKER_METHOD) -> str:
+def _mean(metric: str, by: str | None, selector: str = JOB_WORKER_METHOD) -> str:
     """The mean observation of the histogram ``metric`` per ``by``; no value where nothing was observed."""
     return f"{_sum_rate(f'{metric}_sum', by, selector)} / ({_sum_rate(f'{metric}_count', by, selector)} > 0)"
+
+
+def _range_mean(metric: str, by: str, selector: str = JOB_WORKER_METHOD) -> str:
+    """The mean observation of the histogram ``metric`` per ``by`` over the dashboard's time range."""
+
+    def increase(series: str) -> str:
+        return f"sum by ({by}) (increase({metric}_{series}{{{selector}}}[$__range]))"
+
+    return f"{increase('sum')} / ({increase('count')} > 0)"
 
 
 # --------------------------------------------------------------------------
@@ -523,6 +544,73 @@ def _latency_row() -> _Row:
     ]
 
 
+def _stuck_row() -> _Row:
+    """The oldest call in flight and UDF running, idle threads, and each call's time: callee + outside."""
+    from grafana_foundation_sdk.builders import barchart
+    from grafana_foundation_sdk.builders import common as common_builders
+    from grafana_foundation_sdk.models import common
+    from grafana_foundation_sdk.models import dashboard as dm
+
+    what_to_do = ("Above the red line rpc_observe's watchdog dumps the worker's calls and stacks into "
+                  "$RPC_OBSERVE_DIR/debug/; run `rpc-observe doctor` to read them.")
+
+    def age(title: str, description: str, metric: str) -> timeseries.Panel:
+        return (_ts(title, f"{description} {what_to_do}", "s",
+                    _query(f"max by (worker) ({metric}{{{JOB_WORKER}}})", "{{worker}}"), width=8)
+                .thresholds(_thresholds((None, "transparent"), (STUCK_SECONDS, "red")))
+                .thresholds_style(common_builders.GraphThresholdsStyleConfig()
+                                  .mode(common.GraphThresholdsStyleMode.DASHED_AND_AREA)))
+
+    split = ("The client's duration of each call is the callee's own time (from unpickling the "
+             "request to pickling the response, as the callee reported it) plus the time outside "
+             "it: queueing for a thread of the callee's pool, (de)serialization and the wire.")
+    by_method_bars = (
+        barchart.Panel().title("Mean time per call by method: callee + outside")
+        .description(f"{split} Mean per call over the dashboard's time range, stacked: the whole bar "
+                     "is the mean client duration of the calls whose callee reported its time.")
+        .datasource(_prom_ds()).span(8).height(8).unit("s").min(0)
+        .targets(_ref_ids([_query(_range_mean(CALLEE, "method"), "callee", instant=True, fmt="table"),
+                           _query(_range_mean(OUTSIDE, "method"), "outside", instant=True, fmt="table")]))
+        # One table per query (method, Value): merged on method into method | callee | outside.
+        .transformations([
+            dm.DataTransformerConfig(id_val="merge", options={}),
+            dm.DataTransformerConfig(id_val="organize", options={
+                "excludeByName": {"Time": True},
+                "renameByName": {"Value #A": "callee", "Value #B": "outside"}}),
+        ])
+        .x_field("method").stacking(common.StackingMode.NORMAL)
+        .orientation(common.VizOrientation.HORIZONTAL).show_value(common.VisibilityMode.NEVER)
+        .fill_opacity(80)
+        .legend(common_builders.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
+                .placement(common.LegendPlacement.BOTTOM).show_legend(True))
+        .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                 .sort(common.SortOrder.NONE)))
+    return "Stuck calls and where the time goes", [
+        age("Oldest call in flight",
+            "Age of the oldest RPC each worker started and has no result for yet (0 when none).",
+            "torch_rpc_client_oldest_call_age_seconds"),
+        age("Oldest UDF running",
+            "Age of the oldest remote Python function each worker is running for a caller (0 when none).",
+            "torch_rpc_server_oldest_udf_age_seconds"),
+        _idle_threads_panel(),
+        by_method_bars,
+        (_ts("Mean time per call: callee + outside",
+             f"{split} Mean per call over the selected workers and methods, stacked: the top is the "
+             "mean client duration. Pick one method above for that method's split.", "s",
+             _query(_mean(CALLEE, None), "callee"),
+             _query(_mean(OUTSIDE, None), "outside"),
+             width=8)
+         .fill_opacity(60)
+         .stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL))),
+        _ts("Callee vs outside p50 by method",
+            f"{split} Medians, per method: unlike the means, they do not add up to the client's median.",
+            "s",
+            _query(_quantile(0.5, "le, method", CALLEE), "callee {{method}}"),
+            _query(_quantile(0.5, "le, method", OUTSIDE), "outside {{method}}"),
+            width=8),
+    ]
+
+
 def _payload_row() -> _Row:
     """Serialized bytes and message sizes, tensors per message, and storage bytes sent outside tensors."""
     from grafana_foundation_sdk.builders import heatmap
@@ -587,23 +675,28 @@ def _traffic_row() -> _Row:
     ]
 
 
-def _saturation_row() -> _Row:
-    """The RPC agent's thread pool, its busy workers, active calls and GIL wait."""
+def _idle_threads_panel() -> timeseries.Panel:
+    """Idle threads of each worker's RPC pool, red at 0 (in the Saturation and the stuck-calls rows)."""
     from grafana_foundation_sdk.builders import common as common_builders
     from grafana_foundation_sdk.models import common
 
+    return (_ts("Idle RPC threads",
+                "Idle threads of the RPC agent's pool. At 0 incoming calls queue up (red band; the "
+                "dashboard annotation 'No idle RPC threads' marks those times).", "short",
+                _query(f"sum by (worker) (torch_rpc_agent_idle_threads{{{JOB_WORKER}}})", "{{worker}}"),
+                width=8)
+            .thresholds(_thresholds((None, "red"), (1, "transparent")))
+            .thresholds_style(common_builders.GraphThresholdsStyleConfig()
+                              .mode(common.GraphThresholdsStyleMode.LINE_AND_AREA)))
+
+
+def _saturation_row() -> _Row:
+    """The RPC agent's thread pool, its busy workers, active calls and GIL wait."""
     return "Saturation", [
         _ts("RPC thread pool size", "Threads of the RPC agent's pool (TensorPipe num_worker_threads).", "short",
             _query(f"sum by (worker) (torch_rpc_agent_threads{{{JOB_WORKER}}})", "{{worker}}"),
             width=8),
-        (_ts("Idle RPC threads",
-             "Idle threads of the RPC agent's pool. At 0 incoming calls queue up (red band; the "
-             "dashboard annotation 'No idle RPC threads' marks those times).", "short",
-             _query(f"sum by (worker) (torch_rpc_agent_idle_threads{{{JOB_WORKER}}})", "{{worker}}"),
-             width=8)
-         .thresholds(_thresholds((None, "red"), (1, "transparent")))
-         .thresholds_style(common_builders.GraphThresholdsStyleConfig()
-                           .mode(common.GraphThresholdsStyleMode.LINE_AND_AREA))),
+        _idle_threads_panel(),
         _stat("Workers with no idle RPC thread",
               "Number of selected workers whose RPC thread pool is fully busy now.", "short", 0,
               _query(f"count({NO_IDLE_EXPR}) or vector(0)", "workers"),
@@ -701,8 +794,8 @@ def build_dashboard() -> dm.Dashboard:
         dash.Dashboard(DASHBOARD_TITLE)
         .uid(DASHBOARD_UID)
         .description("torch.distributed.rpc seen through rpc_observe: call rates, latency "
-                     "breakdown, payloads, traffic between workers, saturation, RRef and "
-                     "autograd state, errors.")
+                     "breakdown, stuck calls and where each call's time goes, payloads, traffic "
+                     "between workers, saturation, RRef and autograd state, errors.")
         .tags(["rpc_observe", "pytorch", "generated"])
         .editable()
         .tooltip(dm.DashboardCursorSync.CROSSHAIR)
@@ -716,7 +809,7 @@ def build_dashboard() -> dm.Dashboard:
         .variables(_variables())
         .annotation(_no_idle_annotation())
     )
-    for title, panels in (_overview_row(), _latency_row(), _payload_row(), _traffic_row(),
+    for title, panels in (_overview_row(), _latency_row(), _stuck_row(), _payload_row(), _traffic_row(),
                           _saturation_row(), _state_row(), _errors_row(), _health_row()):
         builder = builder.with_row(dash.Row(title))
         for panel in panels:

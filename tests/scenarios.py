@@ -512,6 +512,98 @@ def span_flood(world):
     return {"calls": sum(counts), "wrong": sum(wrong), "last": last, "filled": filled}
 
 
+# -- why stuck, why slow (issue 22) ---------------------------------------------------
+def ring_hop(ring, i, secret=None):
+    """Calls the next worker of `ring` with rpc_sync: on pools of one thread, a ring that comes back
+    to a busy worker is the classic nested-rpc_sync deadlock."""
+    if i >= len(ring):
+        return i
+    return rpc.rpc_sync(ring[i], ring_hop, args=(ring, i + 1, secret))  # the blocking line of every hop
+
+
+STUCK = threading.Event()  # never set: a UDF that waits on it is stuck in user code
+
+
+def wait_for_ever(secret):
+    STUCK.wait(120)  # the line a stuck UDF's stack must point at
+    return secret
+
+
+def deadlock(world):
+    """worker1 -> worker2 -> worker0 -> worker1 (queued: worker1's one pool thread is busy), on pools of 1."""
+    global _kept
+    _kept = [rpc.rpc_async("worker1", ring_hop, args=(["worker2", "worker0", "worker1"], 0, MARKER))]
+    time.sleep(0.5)
+    return {"started": True}
+
+
+def stuck(world):
+    """A UDF on worker1 waits on an Event for ever; a call to worker2 is in flight (the test stops worker2)."""
+    global _kept
+    _kept = [rpc.rpc_async("worker1", wait_for_ever, args=(MARKER,)),
+             rpc.rpc_async("worker2", sleep_for, args=(30,))]
+    time.sleep(0.5)
+    return {"started": True}
+
+
+def nested_spans_udf(rounds):
+    """A trainer's UDF (the ddp_rpc example's `_run_trainer`): RPCs, dist_autograd.backward and
+    DistributedOptimizer.step, several times, all inside one served call."""
+    import torch.distributed.autograd as dist_autograd
+    from torch.distributed.optim import DistributedOptimizer
+
+    w_rref = rpc.remote("worker2", make_weight)
+    optimizer = DistributedOptimizer(torch.optim.SGD, [w_rref], lr=0.1)
+    for _ in range(rounds):
+        with dist_autograd.context() as context_id:
+            loss = rpc.rpc_sync("worker2", linear, args=(w_rref.to_here(), torch.ones(4)))
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+            rpc.rpc_sync("worker2", add, args=(torch.ones(1), 1))
+    return rounds
+
+
+def nested_spans(world):
+    return {"rounds": rpc.rpc_sync("worker1", nested_spans_udf, args=(3,))}
+
+
+def split(world):
+    """8 callers of a 20 ms UDF on worker1 (a pool of 1): the callee's time stays ~20 ms, the rest grows."""
+    def _run(_):
+        return [rpc.rpc_sync("worker1", sleep_for, args=(0.02,)) for _ in range(5)]
+
+    threads = [threading.Thread(target=_run, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return {"calls": 40}
+
+
+def busy(world):
+    """A healthy job under load, nested calls included, while the test reads /debug/rpc in a loop."""
+    deadline = time.monotonic() + float(os.environ.get("SCENARIO_SECONDS", "4"))
+    results, errors = [], []
+
+    def _run(index):
+        t = torch.ones(2)
+        while time.monotonic() < deadline:
+            try:
+                value, path = rpc.rpc_sync(f"worker{1 + index % 2}", nested, args=(t, 2), timeout=10)
+                results.append(value.tolist() == [4.0, 4.0] and len(path) == 3)
+                results.append(rpc.rpc_async("worker2", add, args=(t, index), timeout=10).wait().tolist()
+                               == [1.0 + index] * 2)
+            except Exception as e:  # noqa: BLE001 - counted: the test expects none
+                errors.append(type(e).__name__)
+
+    threads = [threading.Thread(target=_run, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return {"calls": len(results), "wrong": results.count(False), "errors": errors}
+
+
 def _rss_kb():
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
@@ -531,6 +623,11 @@ SCENARIOS = {
     "rref_in_args": rref_in_args,
     "soak": soak,
     "span_flood": span_flood,
+    "deadlock": deadlock,
+    "stuck": stuck,
+    "nested_spans": nested_spans,
+    "split": split,
+    "busy": busy,
 }
 
 
@@ -559,7 +656,8 @@ def main() -> None:
     name, rank, world, init_file, result_file = sys.argv[1:6]
     rank, world = int(rank), int(world)
     options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"file://{init_file}", num_worker_threads=16, _transports=["uv"], _channels=["basic"]
+        init_method=f"file://{init_file}", num_worker_threads=int(os.environ.get("SCENARIO_POOL", "16")),
+        _transports=["uv"], _channels=["basic"], rpc_timeout=float(os.environ.get("SCENARIO_RPC_TIMEOUT", "60")),
     )
     profile_dir = os.environ.get("SCENARIO_PROFILE_DIR")
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile_dir else None

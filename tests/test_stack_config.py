@@ -1,5 +1,6 @@
-"""Offline checks of the observability stack: compose file, Prometheus, Grafana
-provisioning, OpenTelemetry Collector config and the generated dashboard.
+"""Offline checks of the observability stack: compose file, Prometheus and its
+alerting rules, Grafana provisioning, OpenTelemetry Collector config and the
+generated dashboard.
 
 Nothing here starts a container or needs the network.  Independent of the
 rpc_observe package on purpose: this only reads files of the repository.
@@ -30,6 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 COMPOSE_SCHEMA = REPO / "deploy" / "compose-spec.json"
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+MULTI_HOST_CONFIGS = sorted((REPO / "deploy" / "prometheus" / "multi-host").glob("*.yml"))
+RULES_DIR = REPO / "deploy" / "prometheus" / "rules"
+RULES_FILE = RULES_DIR / "rpc_observe.rules.yml"
+RULES_TEST_FILE = RULES_DIR / "rpc_observe.rules.test.yml"
 GRAFANA_PROVISIONING = REPO / "deploy" / "grafana" / "provisioning"
 DATASOURCES_FILE = GRAFANA_PROVISIONING / "datasources" / "datasources.yml"
 DASHBOARD_PROVIDERS_FILE = GRAFANA_PROVISIONING / "dashboards" / "dashboards.yml"
@@ -98,6 +103,9 @@ HISTOGRAMS = {
     "torch_rpc_tensor_storage_bytes": _SERIALIZATION_LABELS,
     "torch_rpc_serialization_seconds": _SERIALIZATION_LABELS,
     "torch_rpc_client_duration_seconds": frozenset({"worker", "method", "mode"}),
+    # Each call's client duration = the callee's own time, as it reported it + the rest.
+    "torch_rpc_client_callee_seconds": frozenset({"worker", "method", "mode"}),
+    "torch_rpc_client_outside_seconds": frozenset({"worker", "method", "mode"}),
     "torch_rpc_server_duration_seconds": frozenset({"worker", "method"}),
 }
 COUNTERS = {
@@ -111,6 +119,9 @@ COUNTERS = {
 }
 GAUGES = {
     "torch_rpc_client_in_flight": frozenset({"worker", "dst"}),
+    # Ages of the oldest client call in flight and of the oldest Python UDF running (0: none).
+    "torch_rpc_client_oldest_call_age_seconds": frozenset({"worker"}),
+    "torch_rpc_server_oldest_udf_age_seconds": frozenset({"worker"}),
     "torch_rpc_agent_threads": frozenset({"worker"}),
     "torch_rpc_agent_idle_threads": frozenset({"worker"}),
     "torch_rpc_agent_active_calls": frozenset({"worker", "side"}),
@@ -393,6 +404,151 @@ def test_prometheus_keeps_the_exporters_worker_label():
     assert prometheus["jsonData"]["timeInterval"] == interval
 
 
+# ---------------------------------------------------------------------------
+# Alerting rules (deploy/prometheus/rules)
+# ---------------------------------------------------------------------------
+
+
+def _alert_rules() -> dict[str, dict]:
+    (group,) = _yaml(RULES_FILE)["groups"]
+    assert group["name"] == "rpc_observe"
+    rules = {rule["alert"]: rule for rule in group["rules"]}
+    assert len(rules) == len(group["rules"]), "every rule is an alert, each with its own name"
+    return rules
+
+
+def test_promtool_check_rules():
+    result = subprocess.run([_promtool(), "check", "rules", str(RULES_FILE)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(_alert_rules())} rules found" in result.stdout
+
+
+def _promtool_test_rules(test_file: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([_promtool(), "test", "rules", str(test_file)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_promtool_test_rules():
+    result = _promtool_test_rules(RULES_TEST_FILE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+# (alert, field, text, replacement): each change breaks the alert's unit tests, one way or the
+# other (fires too late or not at all, or fires on a series that must stay silent).
+RULE_CHANGES = [
+    ("RpcCallStuck", "expr", "> 30", "> 60"),
+    ("RpcCallStuck", "expr", "> 30", ">= 30"),
+    ("RpcUdfStuck", "expr", "> 30", "> 120"),
+    ("RpcUdfStuck", "expr", "> 30", "> 20"),
+    ("RpcThreadPoolExhausted", "for", "1m", "0s"),
+    ("RpcThreadPoolExhausted", "expr", "torch_rpc_agent_threads > 0 and ", ""),
+    ("RpcThreadPoolExhausted", "expr", "== 0", "< 2"),
+    ("RpcClientErrorRatioHigh", "expr", "> 0.05", "> 0.2"),
+    ("RpcClientErrorRatioHigh", "expr", "> 0.05", "> 0.03"),
+    ("RpcClientErrorRatioHigh", "for", "1m", "0s"),
+    ("RpcObserveSpansDropped", "expr", "[5m]", "[10m]"),
+    ("RpcObserveSpansDropped", "expr", "> 0", ">= 0"),
+]
+
+
+@pytest.mark.parametrize(("alert", "field", "text", "replacement"), RULE_CHANGES,
+                         ids=[f"{a}-{f}:{t}->{r}" for a, f, t, r in RULE_CHANGES])
+def test_promtool_test_rules_catches_a_changed_rule(tmp_path, alert, field, text, replacement):
+    """The unit tests can fail: a copy of the rules with one threshold changed fails them."""
+    rules = _yaml(RULES_FILE)
+    (rule,) = [r for r in rules["groups"][0]["rules"] if r["alert"] == alert]
+    assert text in str(rule[field]), (alert, field, text)
+    rule[field] = str(rule[field]).replace(text, replacement)
+    (tmp_path / RULES_FILE.name).write_text(yaml.safe_dump(rules, sort_keys=False))
+    shutil.copy(RULES_TEST_FILE, tmp_path / RULES_TEST_FILE.name)
+    result = _promtool_test_rules(tmp_path / RULES_TEST_FILE.name)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert f"alertname: {alert}" in output or f"alertname:{alert}" in output, output
+
+
+def test_every_alert_has_unit_tests_that_fire_it_and_keep_it_silent():
+    tests = _yaml(RULES_TEST_FILE)
+    assert tests["rule_files"] == [RULES_FILE.name]
+    fired: set[str] = set()
+    silent: set[str] = set()
+    for group in tests["tests"]:
+        for case in group["alert_rule_test"]:
+            (fired if case["exp_alerts"] else silent).add(case["alertname"])
+            for alert in case["exp_alerts"]:
+                assert alert["exp_labels"]["worker"] in alert["exp_annotations"]["description"]
+    assert fired == silent == set(_alert_rules())
+
+
+def test_alert_rules_query_the_contract_and_say_what_to_do():
+    rules = _alert_rules()
+    assert set(rules) == {"RpcCallStuck", "RpcUdfStuck", "RpcThreadPoolExhausted",
+                          "RpcClientErrorRatioHigh", "RpcObserveSpansDropped"}
+    for name, rule in rules.items():
+        assert re.fullmatch(r"(?:[A-Z][a-z0-9]*)+", name), f"{name}: alert names are CamelCase"
+        expr = rule["expr"]
+        names = bare_metric_names(expr) + [n for n, _, _ in selectors(expr)]
+        assert names, name
+        for metric in names:
+            assert metric in SERIES, f"{name}: {metric} is not a metric rpc_observe exports"
+        labels = set().union(*(SERIES[m][1] for m in names))
+        assert grouping_labels(expr) <= labels, f"{name}: grouping by an unknown label"
+        for function, window in re.findall(r"\b(rate|increase)\([^\[\]]*\[([^\]]+)\]", expr):
+            assert window == "5m", f"{name}: {function}(...[{window}])"
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        annotations = rule["annotations"]
+        assert set(annotations) == {"summary", "description"}, name
+        assert "{{ $labels.worker }}" in annotations["summary"], name
+        assert "{{ $labels.worker }}" in annotations["description"], name
+        assert "rpc-observe doctor" in annotations["description"], name
+        assert "$RPC_OBSERVE_DIR/debug/" in annotations["description"], name
+    # Stuck: above the watchdog's default (RPC_OBSERVE_HANG_SECONDS), where the dashboard turns red.
+    for name, metric in (("RpcCallStuck", "torch_rpc_client_oldest_call_age_seconds"),
+                         ("RpcUdfStuck", "torch_rpc_server_oldest_udf_age_seconds")):
+        assert rules[name]["expr"] == f"{metric} > {generate.STUCK_SECONDS}"
+    assert rules["RpcThreadPoolExhausted"]["for"] == "1m"
+    assert "> 0.05" in rules["RpcClientErrorRatioHigh"]["expr"]
+    assert rules["RpcObserveSpansDropped"]["expr"] == "increase(rpc_observe_spans_dropped_total[5m]) > 0"
+
+
+def _rule_files(config_file: Path) -> list[str]:
+    return _yaml(config_file).get("rule_files") or []
+
+
+def test_compose_mounts_the_rules_where_prometheus_loads_them(compose):
+    prometheus = compose["services"]["prometheus"]
+    target = _mount_target(prometheus, "./deploy/prometheus/rules")
+    assert "./deploy/prometheus/rules:" + target + ":ro" in prometheus["volumes"]
+    (pattern,) = _rule_files(PROMETHEUS_CONFIG)
+    assert pattern.startswith(target + "/"), f"{pattern} is not under the mount {target}"
+    # The glob, seen from the repository, loads the rules and not their unit tests.
+    assert sorted(RULES_DIR.glob(pattern[len(target) + 1:])) == [RULES_FILE]
+    # The multi-host configs load them from the same place.
+    assert MULTI_HOST_CONFIGS
+    for config_file in MULTI_HOST_CONFIGS:
+        assert _rule_files(config_file) == [pattern], config_file.name
+
+
+@pytest.mark.parametrize("config_file", [PROMETHEUS_CONFIG] + [
+    f for f in MULTI_HOST_CONFIGS if "kubernetes_sd_configs" not in f.read_text(encoding="utf-8")],
+    ids=lambda f: f.name)
+def test_promtool_check_config_loads_the_rules(tmp_path, config_file):
+    """With the mount's path pointing at the repository, promtool finds the rules and checks them."""
+    (pattern,) = _rule_files(config_file)
+    mounted = pattern.rsplit("/", 1)[0]
+    text = config_file.read_text(encoding="utf-8")
+    assert text.count(f"{mounted}/") == 1
+    (tmp_path / "prometheus.yml").write_text(text.replace(f"{mounted}/", f"{RULES_DIR}/"))
+    result = subprocess.run([_promtool(), "check", "config", str(tmp_path / "prometheus.yml")],
+                            capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "SUCCESS: 1 rule files found" in output
+    assert f"SUCCESS: {len(_alert_rules())} rules found" in output
+
+
 def test_every_dashboard_query_is_valid_promql(tmp_path, dashboard):
     """promtool parses every panel and annotation query once variables are substituted."""
     promtool = _promtool()
@@ -554,8 +710,9 @@ def _exprs(panels) -> list[str]:
 
 def test_dashboard_layout(dashboard):
     rows = _rows(dashboard)
-    assert list(rows) == ["Overview", "Latency breakdown", "Payload", "Traffic matrix",
-                          "Saturation", "RPC state (torch)", "Errors", "Add-on health"]
+    assert list(rows) == ["Overview", "Latency breakdown", "Stuck calls and where the time goes",
+                          "Payload", "Traffic matrix", "Saturation", "RPC state (torch)", "Errors",
+                          "Add-on health"]
     assert all(rows.values())
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
@@ -664,6 +821,31 @@ def test_rows_show_what_the_issue_asks_for(dashboard):
     difference = [e for e in latency_targets if "torch_rpc_client_duration_seconds" in e
                   and "torch_rpc_server_duration_seconds" in e]
     assert difference and " - " in difference[0], "client − server as its own series"
+
+    stuck = {p["title"]: p for p in _rows(dashboard)["Stuck calls and where the time goes"]}
+    for title, metric in (("Oldest call in flight", "torch_rpc_client_oldest_call_age_seconds"),
+                          ("Oldest UDF running", "torch_rpc_server_oldest_udf_age_seconds")):
+        (expr,) = _exprs([stuck[title]])
+        assert expr.startswith(f"max by (worker) ({metric}{{")
+        defaults = stuck[title]["fieldConfig"]["defaults"]
+        assert defaults["unit"] == "s"
+        assert defaults["thresholds"]["steps"][-1] == {"color": "red", "value": generate.STUCK_SECONDS}
+        assert defaults["custom"]["thresholdsStyle"]["mode"] != "off"
+    assert "torch_rpc_agent_idle_threads" in "".join(_exprs([stuck["Idle RPC threads"]]))
+    # client = callee + outside: means stacked over time, and per method as stacked bars.
+    stacked = stuck["Mean time per call: callee + outside"]
+    assert stacked["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    bars = stuck["Mean time per call by method: callee + outside"]
+    assert bars["type"] == "barchart"
+    assert bars["options"]["stacking"] == "normal" and bars["options"]["xField"] == "method"
+    assert [t["id"] for t in bars["transformations"]][0] == "merge"
+    assert all(t["instant"] and t["format"] == "table" for t in bars["targets"])
+    for panel in (stacked, bars, stuck["Callee vs outside p50 by method"]):
+        callee, outside = _exprs([panel])
+        assert "torch_rpc_client_callee_seconds" in callee and "_outside_" not in callee
+        assert "torch_rpc_client_outside_seconds" in outside and "_callee_" not in outside
+        if panel is not stacked:
+            assert grouping_labels(callee) - {"le"} == {"method"} == grouping_labels(outside) - {"le"}
 
     payload_panels = _rows(dashboard)["Payload"]
     assert "sum by (direction) (rate(torch_rpc_serialized_bytes_sum" in rows["Payload"]
@@ -788,5 +970,8 @@ def test_stack_doc_names_what_the_stack_uses():
     for needle in ("RPC_OBSERVE=1", "OTEL_TRACES_EXPORTER=otlp",
                    "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318", "RPC_OBSERVE_DIR",
                    "docker compose up", "http://localhost:3000", "http://localhost:9090",
-                   "http://localhost:16686", generate.SDK_REQUIREMENT):
+                   "http://localhost:16686", generate.SDK_REQUIREMENT,
+                   "deploy/prometheus/rules/rpc_observe.rules.yml",
+                   "promtool test rules deploy/prometheus/rules/rpc_observe.rules.test.yml",
+                   *_alert_rules()):
         assert needle in doc, needle

@@ -9,7 +9,7 @@ from rpc_observe.hooks import calls, trailer
 from rpc_observe.hooks.client import ClientSite
 from rpc_observe.hooks.pickler import wrap_deserialize
 from rpc_observe.telemetry import health, runtime
-from rpc_observe.telemetry.metrics import fold_finished, fold_message
+from rpc_observe.telemetry.metrics import fold_finished, fold_message, fold_split
 
 
 def noop() -> None:
@@ -66,7 +66,8 @@ def test_request_fast_path_agrees_with_split(metrics_runtime: runtime.Runtime, t
     assert [r[0] for r in records] == [fold_message] and records[0][2] == size  # payload bytes without trailer
 
 
-@pytest.mark.parametrize("echo", ["5", "0005", "7", "1" * 25, "", "x5"])
+@pytest.mark.parametrize("echo", ["5", "0005", "7", "1" * 25, "", "x5", "5\x1f1234", "5\x1f", "5\x1fx",
+                                  "5\x1f" + "9" * 25, "5\x1f1\x1f2", "7\x1f12"])
 def test_response_fast_path_ends_exactly_the_call_split_names(metrics_runtime: runtime.Runtime, echo: str) -> None:
     site = ClientSite(metrics_runtime, noop, "sync", "worker0")
     call = calls.Call(metrics_runtime, site)
@@ -80,6 +81,11 @@ def test_response_fast_path_ends_exactly_the_call_split_names(metrics_runtime: r
     assert wrap_deserialize(lambda self, d, t: result)(None, data, []) is result
     assert (5 not in calls.in_flight) == named
     folds = [r[0] for r in metrics_runtime.metrics._records]
-    assert folds.count(fold_finished) == (1 if named else 0)
+    assert folds.count(fold_finished) + folds.count(fold_split) == (1 if named else 0)
+    callee = fields[trailer.RESPONSE_CALLEE_US] if named and len(fields) > trailer.RESPONSE_CALLEE_US else ""
+    assert folds.count(fold_split) == (1 if callee else 0)
+    if callee:  # the call's time split: the callee's as its response says, the rest outside
+        split = next(r for r in metrics_runtime.metrics._records if r[0] is fold_split)
+        assert split[3] == int(callee) / 1e6 and call.span is None
     message = next(r for r in metrics_runtime.metrics._records if r[0] is fold_message)
     assert message[2] == size
