@@ -7,6 +7,8 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from cluster import clean_env
 
 
@@ -19,11 +21,15 @@ def test_demo_shows_endpoints_summary_matrix_and_artifacts(tmp_path):
     for worker in ("ps", "trainer1", "trainer2"):
         assert f"{worker}" in text and "/metrics" in text
     assert "100%" in text  # the progress bar finished
+    # method, calls, errors, client and server p50/p99, `client = callee + outside` (or -), bytes, tensors, wasted
     rows = {line.split()[0]: line.split() for line in text.splitlines()
-            if line.startswith("  ") and len(line.split()) == 8}
+            if line.startswith("  ") and len(line.split()) in (9, 13)}
     assert int(rows["ParameterServer.update_and_fetch"][1]) > 10
     assert int(rows["save_checkpoint"][2]) >= 2  # the failing call, at least once per trainer
-    assert rows["store_activations"][7] == "45%"  # the view of a large tensor
+    assert rows["store_activations"][-1] == "45%"  # the view of a large tensor
+    client, equals, callee, plus, outside = rows["ParameterServer.get_weights"][5:10]
+    assert (equals, plus) == ("=", "+") and float(callee) > 0 and float(outside) > 0
+    assert float(client) == pytest.approx(float(callee) + float(outside), abs=0.011)  # each rounded to 0.01
     assert "traffic matrix" in text and "trainer1" in text.split("traffic matrix")[1]
     assert "Perfetto" in text and "Jaeger" in text and "Grafana" in text
 

@@ -67,8 +67,11 @@ def method_table(samples: list[Sample]) -> list[str]:
     tensors = _sums(samples, "torch_rpc_serialized_tensors_sum", "method", **req)
     logical = _sums(samples, "torch_rpc_tensor_bytes_sum", "method", **req)
     storage = _sums(samples, "torch_rpc_tensor_storage_bytes_sum", "method", **req)
+    callee = _sums(samples, "torch_rpc_client_callee_seconds_sum", "method")
+    outside = _sums(samples, "torch_rpc_client_outside_seconds_sum", "method")
+    split = _sums(samples, "torch_rpc_client_outside_seconds_count", "method")
     header = (f"{'method':<34}{'calls':>7}{'errors':>7}{'client p50/p99 ms':>19}{'server p50/p99 ms':>19}"
-              f"{'bytes/msg':>11}{'tensors/msg':>12}{'wasted':>8}")
+              f"{'mean ms: client = callee + outside':>36}{'bytes/msg':>11}{'tensors/msg':>12}{'wasted':>8}")
     rows = [header, "-" * len(header)]
     for method in sorted(calls, key=lambda m: -calls[m]):
         n = messages.get(method, 0)
@@ -77,9 +80,17 @@ def method_table(samples: list[Sample]) -> list[str]:
         rows.append(f"{method[:33]:<34}{calls[method]:>7.0f}{errors.get(method, 0):>7.0f}"
                     f"{_ms(quantile(0.5, c)) + '/' + _ms(quantile(0.99, c)):>19}"
                     f"{_ms(quantile(0.5, s)) + '/' + _ms(quantile(0.99, s)):>19}"
+                    f"{_split(callee.get(method, 0.0), outside.get(method, 0.0), split.get(method, 0.0)):>36}"
                     f"{(nbytes[method] / n if n else 0):>11.0f}{(tensors[method] / n if n else 0):>12.1f}"
                     f"{wasted:>8.0%}")
     return rows
+
+
+def _split(callee: float, outside: float, calls: float) -> str:
+    """`client = callee + outside`, mean ms per call, over the calls whose response gave the callee's time."""
+    if not calls:
+        return "-"
+    return f"{(callee + outside) / calls * 1e3:.2f} = {callee / calls * 1e3:.2f} + {outside / calls * 1e3:.2f}"
 
 
 def traffic_matrix(samples: list[Sample]) -> list[str]:
