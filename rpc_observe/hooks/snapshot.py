@@ -85,8 +85,9 @@ def _stack(frame: Any) -> list[str]:
     return [f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames)]  # innermost last
 
 
-def tables() -> dict[str, Any]:
-    """The hooks' part of a snapshot: agent, calls, serving, finished, stacks (docs/stuck.md)."""
+def tables(read_torch: bool = True) -> dict[str, Any]:
+    """The hooks' part of a snapshot: agent, calls, serving, finished, stacks (docs/stuck.md); the agent is
+    null when `read_torch` is False (RPC is stopping)."""
     now = time.time_ns()  # the tables' times are time.time_ns() too
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     open_calls = []
@@ -113,4 +114,5 @@ def tables() -> dict[str, Any]:
     watched = {entry["thread"] for entry in open_calls} | {entry["thread"] for entry in served}
     frames = sys._current_frames()
     stacks = {str(ident): _stack(frames[ident]) for ident in watched if ident in frames}
-    return {"agent": _agent(), "calls": open_calls, "serving": served, "finished": finished, "stacks": stacks}
+    return {"agent": _agent() if read_torch else None, "calls": open_calls, "serving": served, "finished": finished,
+            "stacks": stacks}

@@ -28,7 +28,9 @@ from . import health
 _logger = logging.getLogger("rpc_observe")
 SCHEMA = "rpc_observe.debug/1"
 REQUESTED_DUMP_INTERVAL_S = 10.0
-Tables = Callable[[], dict[str, Any]]  # the hooks' part of a snapshot: agent, calls, serving, finished, stacks
+# The hooks' part of a snapshot: agent, calls, serving, finished, stacks; torch's agent state only if the argument is
+# True (see `read_torch`).
+Tables = Callable[[bool], dict[str, Any]]
 Oldest = Callable[[], tuple[float, str]]  # (age in s of the oldest call in flight or UDF running, what it is)
 
 
@@ -46,6 +48,9 @@ class FlightRecorder:
         self._next_check = 0.0
         self._last_requested_dump = -REQUESTED_DUMP_INTERVAL_S
         self._dump_lock = threading.Lock()
+        # False once RPC stops: a call into torch's agent from the endpoint's thread while the interpreter
+        # finalizes would end that thread inside torch's C++ frames, an abort (as for the scrape's gauges).
+        self.read_torch = True
 
     def snapshot(self, reason: str = "live") -> dict[str, Any]:
         """The recorder's state now, in the documented schema (docs/stuck.md)."""
@@ -54,7 +59,7 @@ class FlightRecorder:
             "host": socket.gethostname(), "time_unix_s": time.time(), "reason": reason,
             "hang_seconds": self.hang_seconds,
         }
-        head.update(self._tables())
+        head.update(self._tables(self.read_torch))
         return head
 
     def json_bytes(self) -> bytes:

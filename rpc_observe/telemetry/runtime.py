@@ -80,6 +80,8 @@ class Runtime:
         if self.metrics is not None:
             self.metrics.agent_info = None
             self.state.source = None
+        if self.recorder is not None:
+            self.recorder.read_torch = False
 
     def stopping(self) -> None:
         """RPC is stopping: read nothing of torch's state from now on, and end the calls in flight."""

@@ -1,7 +1,8 @@
 """The import directions the README's Architecture section promises, read from the source.
 
-hooks -> telemetry, never back; telemetry imports no torch; merge imports only the standard
-library; config imports only the standard library. Lazy imports inside functions count too.
+hooks -> telemetry, never back; telemetry imports no torch; merge and doctor import only the
+standard library (and themselves); config imports only the standard library. Lazy imports
+inside functions count too.
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def test_hooks_import_only_telemetry_of_the_package(path: Path) -> None:
 @pytest.mark.parametrize("path", _modules("merge"), ids=lambda p: p.name)
 def test_merge_imports_only_the_standard_library(path: Path) -> None:
     bad = {m for m in _imports(path) if _top(m) not in STDLIB and not _within(m, "rpc_observe.merge")}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _modules("doctor"), ids=lambda p: p.name)
+def test_doctor_imports_only_the_standard_library(path: Path) -> None:
+    """The doctor reads a stuck job from any machine: no torch, OpenTelemetry or prometheus_client."""
+    bad = {m for m in _imports(path) if _top(m) not in STDLIB and not _within(m, "rpc_observe.doctor")}
     assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
