@@ -7,15 +7,31 @@ file, line and function of each frame: never locals, arguments or tensor content
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 from . import calls, torch_state
 
 MAX_FRAMES = 64  # the innermost frames of a stack
+# Stacks only of threads whose call or UDF is this old: a stuck thread's, not every busy one's.
+STACK_AFTER_S = 1.0
+
+
+def _load_native() -> ModuleType | None:
+    try:
+        from . import _stacks  # the C stack reader (hatch_build.py), where a C compiler worked
+    except ImportError:
+        return None
+    return _stacks
+
+
+_native = _load_native()
 _AGENT_KEYS = (("pool_size", "agent.thread_pool_size"), ("idle_threads", "agent.num_idle_threads"),
                ("client_active_calls", "agent.client_active_calls"),
                ("server_active_calls", "agent.server_active_calls"),
@@ -80,9 +96,36 @@ def _agent() -> dict[str, int] | None:
     return {name: int(info[key]) for name, key in _AGENT_KEYS if key in info}
 
 
-def _stack(frame: Any) -> list[str]:
-    frames = traceback.StackSummary.extract(traceback.walk_stack(frame), limit=MAX_FRAMES, lookup_lines=False)
-    return [f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames)]  # innermost last
+def python_stacks(idents: Iterable[int], limit: int) -> dict[int, list[str]]:
+    """What `_stacks.stacks` returns, in Python: its reference, and the fallback where it is not built.
+
+    Bytecode runs here, so the GIL can pass to a walked thread halfway; `tables` asks only for threads
+    that have waited STACK_AFTER_S (parked: their frames do not move). The collector is off, as in the
+    C code: sys._current_frames() under CPython 3.11 can deadlock in a collection (gh-106883)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        frames = sys._current_frames()
+        found = {}
+        for ident in idents:
+            if ident in frames:
+                summary = traceback.StackSummary.extract(traceback.walk_stack(frames[ident]), limit=limit,
+                                                         lookup_lines=False)
+                found[ident] = [f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(summary)]  # innermost last
+        return found
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def stacks(idents: Iterable[int]) -> dict[int, list[str]]:
+    """The Python stacks of threads `idents` (those with a frame), innermost last, MAX_FRAMES at most."""
+    wanted = list(idents)
+    if not wanted:
+        return {}
+    if _native is not None:
+        return _native.stacks(wanted, MAX_FRAMES)
+    return python_stacks(wanted, MAX_FRAMES)
 
 
 def tables(read_torch: bool = True) -> dict[str, Any]:
@@ -111,8 +154,6 @@ def tables(read_torch: bool = True) -> dict[str, Any]:
                  "duration_s": (end_ns - start_ns) / 1e9, "status": error or "ok",
                  "ended_unix_s": end_ns / 1e9}
                 for site, call_id, start_ns, end_ns, error in list(calls.finished)]
-    watched = {entry["thread"] for entry in open_calls} | {entry["thread"] for entry in served}
-    frames = sys._current_frames()
-    stacks = {str(ident): _stack(frames[ident]) for ident in watched if ident in frames}
+    waiting = {entry["thread"] for entry in open_calls + served if entry["age_s"] >= STACK_AFTER_S}
     return {"agent": _agent() if read_torch else None, "calls": open_calls, "serving": served, "finished": finished,
-            "stacks": stacks}
+            "stacks": {str(ident): lines for ident, lines in stacks(waiting).items()}}

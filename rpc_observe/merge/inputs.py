@@ -46,6 +46,8 @@ def load_input(path: Path) -> TraceInput | SpanInput:
         raise IgnoredInput("output of a previous merge")
     if isinstance(doc, list) and doc and all(isinstance(e, dict) and "targets" in e for e in doc):
         raise IgnoredInput("Prometheus file_sd target, not a trace")
+    if isinstance(doc, dict) and str(doc.get("schema", "")).startswith("rpc_observe.debug/"):
+        raise IgnoredInput("flight recorder dump (read it with rpc-observe doctor)")
     if isinstance(doc, dict) and "traceEvents" in doc:
         return _scan_trace(path, doc)
     if isinstance(doc, dict) and "resourceSpans" in doc:

@@ -88,8 +88,8 @@ def test_config_imports_only_the_standard_library() -> None:
     assert not bad
 
 
-def test_the_four_products_are_sub_packages() -> None:
-    for name in ("hooks", "telemetry", "merge", "demo"):
+def test_the_five_products_are_sub_packages() -> None:
+    for name in ("hooks", "telemetry", "merge", "doctor", "demo"):
         assert (PACKAGE / name / "__init__.py").is_file() and len(_modules(name)) >= 2, name
     flat = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert flat == ["__init__.py", "__main__.py", "_bootstrap.py", "_patching.py", "cli.py", "config.py",
