@@ -80,11 +80,15 @@ class Cluster:
     def log(self, rank: int) -> str:
         return (self.dir / f"log{rank}.txt").read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 90) -> dict:
-        """Waits for rank 0 to finish the scenario while holding; returns its result."""
+    def wait_ready(self, timeout: float = 90, killed: tuple[int, ...] = ()) -> dict:
+        """Waits for rank 0 to finish the scenario while holding; returns its result.
+
+        Ranks in `killed` are expected to die (SIGKILL) before that."""
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
-            if any(p.poll() not in (None, 0) for p in self.procs) or time.monotonic() > deadline:
+            failed = [rank for rank, p in enumerate(self.procs)
+                      if p.poll() not in (None, 0) and not (rank in killed and p.poll() == -9)]
+            if failed or time.monotonic() > deadline:
                 self.kill()
                 raise AssertionError("scenario did not get ready:\n" + self.log(0)[-3000:])
             time.sleep(0.1)
@@ -98,7 +102,7 @@ class Cluster:
         Returns rank 0's result and {worker: parsed samples}.
         """
         try:
-            result = self.wait_ready(timeout)
+            result = self.wait_ready(timeout, killed)
             parsed = {w: samples(scrape(t)) for w, t in self.targets().items() if workers is None or w in workers}
         finally:
             self.wait(timeout=max(timeout, 120), killed=killed)
