@@ -91,6 +91,7 @@ class Config:
     # A call in flight or a UDF running longer than this is dumped by the watchdog: half torch's
     # default 60 s RPC timeout, so the evidence is written before torch's timeout clears it. 0: off.
     hang_seconds: float = 30.0
+    log_correlation: bool = True  # trace ids in logging records (hooks/log_correlation.py)
 
     @property
     def tracing(self) -> bool:
@@ -234,4 +235,5 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         bsp_export_timeout_s=_number(env, "OTEL_BSP_EXPORT_TIMEOUT", 5000, 1, 3_600_000, scale=1000),
         recorder_size=_number(env, RPC_OBSERVE_RECORDER_SIZE, 1000, 0, 1_000_000),
         hang_seconds=_number(env, RPC_OBSERVE_HANG_SECONDS, 30.0, 0.0, 86400.0, kind=float),
+        log_correlation=_flag(env, "OTEL_PYTHON_LOG_CORRELATION", True),
     )

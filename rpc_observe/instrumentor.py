@@ -157,4 +157,6 @@ class RpcObserveInstrumentor:
         _bootstrap.cancel(RPC_MODULE)
         _bootstrap.cancel("torch.distributed.optim")  # the hooks' post-import hook for DistributedOptimizer
         _patching.restore_all()
+        if "rpc_observe.hooks.log_correlation" in sys.modules:
+            sys.modules["rpc_observe.hooks.log_correlation"].uninstall()
         _runtime.stop()

@@ -567,6 +567,38 @@ def nested_spans(world):
     return {"rounds": rpc.rpc_sync("worker1", nested_spans_udf, args=(3,))}
 
 
+LOG_FORMAT = "%(otelTraceID)s|%(otelSpanID)s|%(otelServiceName)s|%(otelTraceSampled)s|%(message)s"
+
+
+def logging_udf(depth):
+    """Logs inside the UDF, and around a nested rpc_async when `depth` > 0."""
+    import logging
+
+    log = logging.getLogger("scenario")
+    log.info("udf depth=%d", depth)
+    if depth:
+        fut = rpc.rpc_async("worker2", logging_udf, args=(depth - 1,))
+        log.info("udf waiting depth=%d", depth)
+        fut.wait()
+        log.info("udf after depth=%d", depth)
+    return depth
+
+
+def logs(world):
+    """Log records around calls, inside UDFs and while calls are in flight (OTEL_PYTHON_LOG_CORRELATION)."""
+    import logging
+
+    log = logging.getLogger("scenario")
+    log.info("before")
+    rpc.rpc_sync("worker1", logging_udf, args=(1,))
+    log.info("between")
+    fut = rpc.rpc_async("worker1", logging_udf, args=(0,))
+    log.info("in flight")
+    fut.wait()
+    log.info("after")
+    return {"logged": True}
+
+
 def split(world):
     """8 callers of a 20 ms UDF on worker1 (a pool of 1): the callee's time stays ~20 ms, the rest grows."""
     def _run(_):
@@ -628,6 +660,7 @@ SCENARIOS = {
     "nested_spans": nested_spans,
     "split": split,
     "busy": busy,
+    "logs": logs,
 }
 
 
@@ -659,6 +692,10 @@ def main() -> None:
         init_method=f"file://{init_file}", num_worker_threads=int(os.environ.get("SCENARIO_POOL", "16")),
         _transports=["uv"], _channels=["basic"], rpc_timeout=float(os.environ.get("SCENARIO_RPC_TIMEOUT", "60")),
     )
+    if name == "logs":
+        import logging
+
+        logging.basicConfig(filename=f"worker{rank}.log", format=LOG_FORMAT, level=logging.INFO)
     profile_dir = os.environ.get("SCENARIO_PROFILE_DIR")
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile_dir else None
     if profiler:
