@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from . import _bootstrap, _patching, config
+from .hooks import log_correlation
 from .telemetry import health
 from .telemetry import runtime as _runtime
 
@@ -138,7 +139,8 @@ class RpcObserveInstrumentor:
             RpcObserveInstrumentor._instrumented = False
 
     def _instrument(self, **kwargs: Any) -> None:
-        _Settings.get()
+        if _Settings.get().log_correlation:  # before any user code logs: a format string naming the ids never raises
+            log_correlation.install()
         if RPC_MODULE not in sys.modules:
             _bootstrap.on_import(RPC_MODULE, _patch_rpc)
             return
@@ -157,6 +159,5 @@ class RpcObserveInstrumentor:
         _bootstrap.cancel(RPC_MODULE)
         _bootstrap.cancel("torch.distributed.optim")  # the hooks' post-import hook for DistributedOptimizer
         _patching.restore_all()
-        if "rpc_observe.hooks.log_correlation" in sys.modules:
-            sys.modules["rpc_observe.hooks.log_correlation"].uninstall()
+        log_correlation.uninstall()
         _runtime.stop()

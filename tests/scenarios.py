@@ -696,6 +696,7 @@ def main() -> None:
         import logging
 
         logging.basicConfig(filename=f"worker{rank}.log", format=LOG_FORMAT, level=logging.INFO)
+        logging.getLogger("scenario").info("before init_rpc")  # the attributes exist from interpreter start
     profile_dir = os.environ.get("SCENARIO_PROFILE_DIR")
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile_dir else None
     if profiler:

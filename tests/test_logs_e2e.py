@@ -34,9 +34,10 @@ def test_log_records_carry_the_ids_of_the_span_they_were_made_in(tmp_path: Path)
         assert (span["traceId"], span["worker"], span["kind"]) == (trace_id, worker, kind), (message, span)
         return span
 
-    # Outside any call: empty values, and the format string did not raise.
-    for message in ("before", "between", "after"):
+    # Outside any call, before init_rpc too: empty values, and the format string did not raise.
+    for message in ("before init_rpc", "before", "between", "after"):
         assert logs["worker0"][message] == ("", "", "", "False")
+    assert logs["worker1"]["before init_rpc"] == logs["worker2"]["before init_rpc"] == ("", "", "", "False")
     # The caller, while its rpc_async is in flight: that CLIENT span.
     in_flight = span_of("worker0", "in flight", CLIENT)
     # The UDF it called: the SERVER span that is the child of that CLIENT span.

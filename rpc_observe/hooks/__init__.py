@@ -35,10 +35,6 @@ def attach(runtime: Runtime) -> None:
     if runtime.metrics is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
         runtime.state.source = lambda: snapshot.age_gauges() + torch_state.debug_state()
-    if config.log_correlation:
-        from . import log_correlation
-
-        log_correlation.install()
     if compat.check("traffic"):
         _patch_traffic()
     if (config.profiler_events or config.profile) and compat.check("profiler"):

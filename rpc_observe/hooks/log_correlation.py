@@ -8,26 +8,29 @@ OpenTelemetry span, if any. Outside any call the values are empty strings (and F
 format string never raises. The lookup runs when a record is made, never per RPC: it reads the
 tables the hooks keep anyway (`calls.in_flight`, `Tracer.serving`). On with RPC_OBSERVE=1;
 OTEL_PYTHON_LOG_CORRELATION=false turns it off.
+
+Installed when instrumentation starts (at interpreter start with RPC_OBSERVE=1), so records made
+before init_rpc have the attributes too; it imports neither torch nor OpenTelemetry: it reads
+their modules only once the job has imported them.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from opentelemetry import trace
-
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
-from . import calls
 
 # The newest in-flight calls looked at for a record: a thread waits on few calls at a time, and
 # the scan must stay cheap with thousands in flight.
 NEWEST_CALLS_SCANNED = 64
 _EMPTY = ("", "", "", False)
+_CALLS = __package__ + ".calls"  # the hooks' call table, once torch and the hooks are loaded
 _reporting = threading.local()
 _installed: Callable[..., logging.LogRecord] | None = None  # our factory, while it is logging's
 
@@ -41,7 +44,8 @@ def current_ids() -> tuple[str, str, str, bool]:
     runtime = _runtime.current
     ident = threading.get_ident()
     span = None
-    if runtime is not None and runtime.tracer is not None:
+    calls = sys.modules.get(_CALLS)
+    if runtime is not None and runtime.tracer is not None and calls is not None:
         try:  # the newest call this thread issued that has not completed
             for call in itertools.islice(reversed(calls.in_flight.values()), NEWEST_CALLS_SCANNED):
                 future = call.future
@@ -55,6 +59,9 @@ def current_ids() -> tuple[str, str, str, bool]:
     if span is not None:
         trace_id, span_id, sampled = _ids(span)
     else:
+        trace = sys.modules.get("opentelemetry.trace")
+        if trace is None:
+            return _EMPTY
         context = trace.get_current_span().get_span_context()  # a TracerProvider's span, ours or the user's
         if not context.is_valid:
             return _EMPTY

@@ -54,7 +54,8 @@ def test_empty_environ_is_the_documented_defaults(caplog: pytest.LogCaptureFixtu
         "sampler_ratio": 1.0, "sampler_rate": 10.0, "spans_max_bytes": 1073741824, "spans_file_bytes": 67108864,
         "propagators": ("tracecontext", "baggage"), "service_name": "",
         "bsp_schedule_delay_s": 1.0, "bsp_max_queue_size": 16384, "bsp_max_export_batch_size": 2048,
-        "bsp_export_timeout_s": 5.0, "recorder_size": 1000, "hang_seconds": 30.0}
+        "bsp_export_timeout_s": 5.0, "recorder_size": 1000, "hang_seconds": 30.0,
+        "log_correlation": True}
     assert warnings_of(caplog) == []
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT.metrics = False  # type: ignore[misc]
@@ -112,6 +113,7 @@ BAD = [
     ("RPC_OBSERVE_RECORDER_SIZE", "lots", "a int from 0 to 1000000; using 1000", {}),
     ("RPC_OBSERVE_HANG_SECONDS", "-5", "a float from 0.0 to 86400.0; using 30.0", {}),
     ("RPC_OBSERVE_HANG_SECONDS", "30s", "a float from 0.0 to 86400.0; using 30.0", {}),
+    ("OTEL_PYTHON_LOG_CORRELATION", "maybe", "1/true/yes/on or 0/false/no/off; using 1", {}),
 ]
 
 
@@ -172,7 +174,7 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
         "OTEL_TRACES_SAMPLER": " TraceIdRatio ", "OTEL_TRACES_SAMPLER_ARG": "0.25", "OTEL_PROPAGATORS": "b3multi",
         "OTEL_SERVICE_NAME": "trainer", "OTEL_BSP_SCHEDULE_DELAY": "250", "OTEL_BSP_MAX_QUEUE_SIZE": "1",
         "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "10000000", "OTEL_BSP_EXPORT_TIMEOUT": "1",
-        "RPC_OBSERVE_RECORDER_SIZE": " 0 ", "RPC_OBSERVE_HANG_SECONDS": "2.5",
+        "RPC_OBSERVE_RECORDER_SIZE": " 0 ", "RPC_OBSERVE_HANG_SECONDS": "2.5", "OTEL_PYTHON_LOG_CORRELATION": "False",
     })
     assert dataclasses.asdict(cfg) == {
         "out_dir": "/tmp/out", "run_id": "run-1", "metrics": False, "metrics_port": 65535, "metrics_addr": "0.0.0.0",
@@ -184,7 +186,7 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
         "sampler_ratio": 0.25, "sampler_rate": 10.0, "spans_max_bytes": 1073741824, "spans_file_bytes": 67108864,
         "propagators": ("b3multi",), "service_name": "trainer", "bsp_schedule_delay_s": 0.25,
         "bsp_max_queue_size": 1, "bsp_max_export_batch_size": 10_000_000, "bsp_export_timeout_s": 0.001,
-        "recorder_size": 0, "hang_seconds": 2.5}
+        "recorder_size": 0, "hang_seconds": 2.5, "log_correlation": False}
     assert warnings_of(caplog) == []
 
 

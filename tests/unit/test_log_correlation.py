@@ -74,9 +74,7 @@ def test_a_failing_lookup_is_counted_and_the_record_still_made(installed: None,
     assert health.internal_errors["log_correlation"] == 1
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, True), ("false", False), ("true", True), ("bogus", True)])
-def test_otel_python_log_correlation_switches_it(value: str | None, expected: bool,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("false", False), ("true", True)])
+def test_otel_python_log_correlation_switches_it(value: str | None, expected: bool) -> None:
     environ = {} if value is None else {"OTEL_PYTHON_LOG_CORRELATION": value}
     assert config.load(environ).log_correlation is expected
-    assert ("OTEL_PYTHON_LOG_CORRELATION='bogus' is not valid" in caplog.text) is (value == "bogus")
