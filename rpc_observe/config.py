@@ -51,6 +51,7 @@ _SAMPLERS = (
     "parentbased_rpc_observe_ratelimit",
 )
 _OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+_METRICS_EXPORTERS = ("prometheus", "otlp", "none")
 _PEER_LABELS = ("counters", "histograms")
 
 
@@ -92,6 +93,11 @@ class Config:
     # default 60 s RPC timeout, so the evidence is written before torch's timeout clears it. 0: off.
     hang_seconds: float = 30.0
     log_correlation: bool = True  # trace ids in logging records (hooks/log_correlation.py)
+    metrics_exporters: tuple[str, ...] = ("prometheus",)  # "otlp": also pushed (telemetry/otlp_metrics.py)
+    metric_export_interval_s: float = 60.0
+    otlp_metrics_endpoint: str = "http://localhost:4318/v1/metrics"
+    otlp_metrics_headers: tuple[tuple[str, str], ...] = ()
+    otlp_metrics_timeout_s: float = 10.0
 
     @property
     def tracing(self) -> bool:
@@ -170,6 +176,8 @@ def _choices(env: Mapping[str, str], name: str, allowed: tuple[str, ...], defaul
 def load(environ: Mapping[str, str] | None = None) -> Config:
     """Reads every rpc_observe and OTEL_* variable once and returns a frozen Config."""
     env = os.environ if environ is None else environ
+    metrics_exporters = _choices(env, "OTEL_METRICS_EXPORTER", _METRICS_EXPORTERS, ("prometheus",))
+    metrics_exporters = () if "none" in metrics_exporters else metrics_exporters
     exporters = _choices(env, "OTEL_TRACES_EXPORTER", _TRACES_EXPORTERS, ("file",))
     if "none" in exporters:
         exporters = ()
@@ -201,7 +209,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     return Config(
         out_dir=env.get(RPC_OBSERVE_DIR) or "rpc_observe_out",
         run_id=env.get(RPC_OBSERVE_RUN_ID) or env.get("TORCHELASTIC_RUN_ID") or "",
-        metrics=_flag(env, RPC_OBSERVE_METRICS, True),
+        metrics=_flag(env, RPC_OBSERVE_METRICS, True) and bool(metrics_exporters),
         metrics_port=_number(env, RPC_OBSERVE_METRICS_PORT, None, 1, 65535),
         metrics_addr=addr,
         metrics_advertise_addr=(env.get(RPC_OBSERVE_METRICS_ADVERTISE_ADDR) or "").strip(),
@@ -236,4 +244,39 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         recorder_size=_number(env, RPC_OBSERVE_RECORDER_SIZE, 1000, 0, 1_000_000),
         hang_seconds=_number(env, RPC_OBSERVE_HANG_SECONDS, 30.0, 0.0, 86400.0, kind=float),
         log_correlation=_flag(env, "OTEL_PYTHON_LOG_CORRELATION", True),
+        metrics_exporters=metrics_exporters,
+        metric_export_interval_s=_number(env, "OTEL_METRIC_EXPORT_INTERVAL", 60000, 100, 86_400_000, scale=1000),
+        **(_otlp_metrics(env) if "otlp" in metrics_exporters else {}),
     )
+
+
+def _otlp_metrics(env: Mapping[str, str]) -> dict[str, Any]:
+    """Where OTLP metrics go: the OTEL_EXPORTER_OTLP_(METRICS_)* variables, as the OpenTelemetry SDK reads them."""
+    import urllib.parse  # here: read only with OTEL_METRICS_EXPORTER=otlp, not at every interpreter start
+
+    def first(suffix: str) -> tuple[str, str]:
+        name = next((n for n in (f"OTEL_EXPORTER_OTLP_METRICS_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}")
+                     if (env.get(n) or "").strip()), f"OTEL_EXPORTER_OTLP_{suffix}")
+        return name, (env.get(name) or "").strip()
+
+    name, endpoint = first("ENDPOINT")
+    if endpoint and name == "OTEL_EXPORTER_OTLP_ENDPOINT":
+        endpoint = endpoint.rstrip("/") + "/v1/metrics"  # the signal's path, as the SDK appends it
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        _warn(name, endpoint, "an http:// or https:// URL; using http://localhost:4318/v1/metrics")
+        endpoint = ""
+    name, text = first("HEADERS")
+    headers = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            _warn(name, text, f"comma-separated key=value pairs; ignoring {item!r}")
+            continue
+        headers.append((urllib.parse.unquote(key.strip()), urllib.parse.unquote(value.strip())))
+    name, protocol = first("PROTOCOL")
+    if protocol and protocol != "http/protobuf":
+        _warn(name, protocol, "http/protobuf for OTLP metrics (built in); using http/protobuf")
+    timeout_name = first("TIMEOUT")[0]
+    return {"otlp_metrics_endpoint": endpoint or "http://localhost:4318/v1/metrics",
+            "otlp_metrics_headers": tuple(headers),
+            "otlp_metrics_timeout_s": _number(env, timeout_name, 10000, 1, 3_600_000, scale=1000)}

@@ -18,6 +18,7 @@ internal_errors: dict[str, int] = {}
 SPAN_DROP_REASONS = ("queue_full", "export_failed", "timeout", "disk_cap", "disk_error")
 spans_dropped: dict[str, int] = dict.fromkeys(SPAN_DROP_REASONS, 0)
 invalid_contexts = [0]
+metric_exports_failed = [0]  # OTLP metric pushes that failed (OTEL_METRICS_EXPORTER=otlp)
 
 
 def internal_error(where: str) -> None:
@@ -42,3 +43,8 @@ def spans_lost(count: int, reason: str) -> None:
 def invalid_context() -> None:
     with _lock:
         invalid_contexts[0] += 1
+
+
+def metric_export_failed() -> None:
+    with _lock:
+        metric_exports_failed[0] += 1

@@ -407,6 +407,12 @@ class Metrics(Collector):
         )
         invalid.add_metric((self.worker,), health.invalid_contexts[0])
         yield invalid
+        failed = CounterMetricFamily(
+            "rpc_observe_metric_exports_failed", "OTLP metric exports that failed (OTEL_METRICS_EXPORTER=otlp).",
+            labels=("worker",)
+        )
+        failed.add_metric((self.worker,), health.metric_exports_failed[0])
+        yield failed
 
     def _collect_agent(self) -> Iterator[Metric]:
         try:

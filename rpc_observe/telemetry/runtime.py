@@ -43,6 +43,7 @@ class Runtime:
         self.profiler: Any = None  # hooks.profiler_events.ProfilerEvents, attached by the hooks
         self.profile_session: Any = None  # RPC_OBSERVE_PROFILE's session, attached by the hooks
         self.recorder: Any = None  # telemetry.recorder.FlightRecorder, attached by the hooks
+        self.otlp_metrics: Any = None  # telemetry.otlp_metrics.OtlpMetricsPusher with OTEL_METRICS_EXPORTER=otlp
         self.metrics_port: int | None = None
         self.target_path: str | None = None
         self.spans_path: str | None = None
@@ -148,6 +149,10 @@ class Runtime:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)
         registry.register(self.state)
+        if "otlp" in self.config.metrics_exporters:
+            from .otlp_metrics import OtlpMetricsPusher
+
+            self.otlp_metrics = OtlpMetricsPusher(self.config, registry.collect, self.resource_attributes())
         try:
             self._server, self.metrics_port = exposition.serve(registry, self.config, rank, self.debug_json)
         except Exception as e:
@@ -161,21 +166,22 @@ class Runtime:
                 self.config.metrics_advertise_addr,
             )
 
-    def _start_tracing(self, out_dir: str | None) -> None:
+    def resource_attributes(self) -> dict[str, Any]:
+        """This worker's OpenTelemetry resource (OTEL_RESOURCE_ATTRIBUTES included), for spans and OTLP metrics."""
         from opentelemetry.sdk.resources import Resource
 
+        return dict(Resource.create({
+            "service.name": self.config.service_name or self.worker,
+            "torch.rpc.worker": self.worker,
+            "process.pid": os.getpid(),
+            "rpc_observe.run_id": self.run_id,
+        }).attributes)
+
+    def _start_tracing(self, out_dir: str | None) -> None:
         from . import exporters, tracing
 
-        resource = Resource.create(
-            {
-                "service.name": self.config.service_name or self.worker,
-                "torch.rpc.worker": self.worker,
-                "process.pid": os.getpid(),
-                "rpc_observe.run_id": self.run_id,
-            }
-        )
         spans_dir = os.path.join(out_dir, "spans") if out_dir is not None else None
-        sinks = exporters.build_sinks(self.config, dict(resource.attributes), spans_dir, self.worker)
+        sinks = exporters.build_sinks(self.config, self.resource_attributes(), spans_dir, self.worker)
         self.spans_path = next((s.path for s in sinks if hasattr(s, "path")), None)
         self.tracer = tracing.Tracer(self.config, sinks)
 
@@ -207,6 +213,8 @@ class Runtime:
             self.housekeeping()
             self._stopped.set()
             self.finish_profile()
+            if self.otlp_metrics is not None:
+                self.otlp_metrics.shutdown()
             if self.tracer is not None:
                 self.tracer.shutdown()
             if self._server is not None:

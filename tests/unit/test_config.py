@@ -55,7 +55,9 @@ def test_empty_environ_is_the_documented_defaults(caplog: pytest.LogCaptureFixtu
         "propagators": ("tracecontext", "baggage"), "service_name": "",
         "bsp_schedule_delay_s": 1.0, "bsp_max_queue_size": 16384, "bsp_max_export_batch_size": 2048,
         "bsp_export_timeout_s": 5.0, "recorder_size": 1000, "hang_seconds": 30.0,
-        "log_correlation": True}
+        "log_correlation": True, "metrics_exporters": ("prometheus",), "metric_export_interval_s": 60.0,
+        "otlp_metrics_endpoint": "http://localhost:4318/v1/metrics", "otlp_metrics_headers": (),
+        "otlp_metrics_timeout_s": 10.0}
     assert warnings_of(caplog) == []
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT.metrics = False  # type: ignore[misc]
@@ -114,6 +116,9 @@ BAD = [
     ("RPC_OBSERVE_HANG_SECONDS", "-5", "a float from 0.0 to 86400.0; using 30.0", {}),
     ("RPC_OBSERVE_HANG_SECONDS", "30s", "a float from 0.0 to 86400.0; using 30.0", {}),
     ("OTEL_PYTHON_LOG_CORRELATION", "maybe", "1/true/yes/on or 0/false/no/off; using 1", {}),
+    ("OTEL_METRICS_EXPORTER", "statsd", "a comma-separated list of prometheus, otlp, none; ignoring statsd", {}),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "10", "a int from 100 to 86400000; using 60000", {}),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "1m", "a int from 100 to 86400000; using 60000", {}),
 ]
 
 
@@ -186,7 +191,9 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
         "sampler_ratio": 0.25, "sampler_rate": 10.0, "spans_max_bytes": 1073741824, "spans_file_bytes": 67108864,
         "propagators": ("b3multi",), "service_name": "trainer", "bsp_schedule_delay_s": 0.25,
         "bsp_max_queue_size": 1, "bsp_max_export_batch_size": 10_000_000, "bsp_export_timeout_s": 0.001,
-        "recorder_size": 0, "hang_seconds": 2.5, "log_correlation": False}
+        "recorder_size": 0, "hang_seconds": 2.5, "log_correlation": False, "metrics_exporters": ("prometheus",),
+        "metric_export_interval_s": 60.0, "otlp_metrics_endpoint": "http://localhost:4318/v1/metrics",
+        "otlp_metrics_headers": (), "otlp_metrics_timeout_s": 10.0}
     assert warnings_of(caplog) == []
 
 
@@ -246,7 +253,8 @@ def test_a_bad_traces_protocol_names_its_own_variable(caplog: pytest.LogCaptureF
 
 FREE_FORM = {"RPC_OBSERVE", "RPC_OBSERVE_DIR", "RPC_OBSERVE_RUN_ID", "RPC_OBSERVE_METRICS_ADDR",
              "RPC_OBSERVE_METRICS_ADVERTISE_ADDR", "OTEL_SERVICE_NAME",
-             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "TORCHELASTIC_RUN_ID"}  # no bad value, or tested on its own
+             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "TORCHELASTIC_RUN_ID",
+             "OTEL_EXPORTER_OTLP_ENDPOINT"}  # no bad value, or tested on its own
 
 
 def test_every_variable_config_reads_is_covered_here() -> None:
@@ -255,3 +263,36 @@ def test_every_variable_config_reads_is_covered_here() -> None:
     read = set(re.findall(r'"((?:RPC_OBSERVE|OTEL|TORCHELASTIC)[A-Z_]*)"', source))
     assert read - FREE_FORM - {name for name, *_ in BAD} == set()
     assert {name for name, *_ in BAD} <= read
+
+
+def test_otlp_metrics_take_the_standard_variables_the_metrics_ones_first(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = config.load({"OTEL_METRICS_EXPORTER": "otlp, prometheus", "OTEL_METRIC_EXPORT_INTERVAL": "500",
+                       "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/", "OTEL_EXPORTER_OTLP_TIMEOUT": "2000",
+                       "OTEL_EXPORTER_OTLP_HEADERS": "a=1,b=x%20y", "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": "250"})
+    assert (cfg.metrics, cfg.metrics_exporters, cfg.metric_export_interval_s) == (True, ("otlp", "prometheus"), 0.5)
+    assert cfg.otlp_metrics_endpoint == "http://collector:4318/v1/metrics"  # the signal's path appended
+    assert (cfg.otlp_metrics_headers, cfg.otlp_metrics_timeout_s) == ((("a", "1"), ("b", "x y")), 0.25)
+    cfg = config.load({"OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://ignored:4318",
+                       "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "https://c:4318/custom"})
+    assert cfg.otlp_metrics_endpoint == "https://c:4318/custom"  # a signal's own endpoint is used as it is
+    assert warnings_of(caplog) == []
+
+
+def test_bad_otlp_metrics_variables_warn_and_fall_back(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = config.load({"OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "collector:4318",
+                       "OTEL_EXPORTER_OTLP_HEADERS": "good=1,bad", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "grpc"})
+    assert cfg.otlp_metrics_endpoint == "http://localhost:4318/v1/metrics"
+    assert cfg.otlp_metrics_headers == (("good", "1"),)
+    assert warnings_of(caplog) == [
+        "rpc_observe: OTEL_EXPORTER_OTLP_METRICS_ENDPOINT='collector:4318' is not valid: accepted an http:// or "
+        "https:// URL; using http://localhost:4318/v1/metrics.",
+        "rpc_observe: OTEL_EXPORTER_OTLP_HEADERS='good=1,bad' is not valid: accepted comma-separated key=value "
+        "pairs; ignoring 'bad'.",
+        "rpc_observe: OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='grpc' is not valid: accepted http/protobuf for OTLP "
+        "metrics (built in); using http/protobuf.",
+    ]
+
+
+def test_otel_metrics_exporter_none_turns_metrics_off() -> None:
+    assert config.load({"OTEL_METRICS_EXPORTER": "none"}).metrics is False
+    assert config.load({"OTEL_METRICS_EXPORTER": "prometheus"}).metrics is True
