@@ -268,13 +268,17 @@ def _prom_ds() -> dm.DataSourceRef:
     return dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 
-def _query(expr: str, legend: str, *, instant: bool = False, fmt: str | None = None) -> prometheus.Dataquery:
-    """A PromQL target: a range query unless ``instant``; ``fmt`` is "table" or "heatmap" if not a time series."""
+def _query(expr: str, legend: str, *, instant: bool = False, fmt: str | None = None,
+           exemplars: bool = False) -> prometheus.Dataquery:
+    """A PromQL target: a range query unless ``instant``; ``fmt`` is "table" or "heatmap" if not a time series;
+    ``exemplars``: the histogram's exemplars as points that open their trace (the datasource's trace_id link)."""
     from grafana_foundation_sdk.builders import prometheus
     from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
     query = prometheus.Dataquery().expr(expr).legend_format(legend).datasource(_prom_ds())
     query = query.instant() if instant else query.range()
+    if exemplars:
+        query = query.exemplar(True)
     return query.format(PromQueryFormat(fmt)) if fmt else query
 
 
@@ -498,7 +502,7 @@ def _overview_row() -> _Row:
             "Click a point to open the traces at least that slow.", "s",
             _query(_quantile(0.5), "p50"),
             _query(_quantile(0.95), "p95"),
-            _query(_quantile(0.99), "p99"),
+            _query(_quantile(0.99), "p99", exemplars=True),  # one query: each exemplar shows once
             width=6, links=_trace_links(by_method=False)),
         _ts("In-flight calls",
             "Calls started by the worker whose result has not arrived yet, per destination.", "short",
@@ -516,8 +520,9 @@ def _latency_row() -> _Row:
             "p95 of the caller's duration for the calls made by the selected workers, and of the "
             "run time of the same methods on every worker that serves them (the server histogram "
             "has no caller label, so that it does not grow with the number of peers).", "s",
-            _query(_quantile(0.95, "le, method"), "client {{method}}"),
-            _query(_quantile(0.95, "le, method", SERVER_DURATION, JOB_CALLEE_METHOD), "server {{method}}"),
+            _query(_quantile(0.95, "le, method"), "client {{method}}", exemplars=True),
+            _query(_quantile(0.95, "le, method", SERVER_DURATION, JOB_CALLEE_METHOD), "server {{method}}",
+                   exemplars=True),
             links=_trace_links(by_method=True)),
         _ts("Mean duration: client, server and the difference",
             "Mean duration per call. The difference (client − server) is the time outside the "
@@ -528,13 +533,13 @@ def _latency_row() -> _Row:
             links=_trace_links(by_method=True), min_zero=False),
         _ts("Client latency p95 by worker",
             "Caller-side p95 per calling worker. Click a point for that worker's slow traces.", "s",
-            _query(_quantile(0.95, "le, worker"), "{{worker}}"),
+            _query(_quantile(0.95, "le, worker"), "{{worker}}", exemplars=True),
             width=8, links=_trace_links(by_method=False, service=TRACE_SERVICE_FROM_SERIES)),
         _ts("Server run time p95 by worker",
             "Callee-side p95 of the remote functions each selected worker runs: one slow peer stands "
             "out here. Latency histograms carry no peer by default (series would grow with the world "
             "size); RPC_OBSERVE_PEER_LABELS=histograms adds dst and src to them for a per-peer view.", "s",
-            _query(_quantile(0.95, "le, worker", SERVER_DURATION), "{{worker}}"),
+            _query(_quantile(0.95, "le, worker", SERVER_DURATION), "{{worker}}", exemplars=True),
             width=8, links=_trace_links(by_method=False, service=TRACE_SERVICE_FROM_SERIES)),
         _ts("Serialization time p95 by direction",
             "Time spent pickling (serialize) and unpickling (deserialize) RPC messages.", "s",

@@ -47,6 +47,7 @@ class Prometheus:
                 f"--config.file={config}",
                 f"--storage.tsdb.path={workdir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
+                "--enable-feature=exemplar-storage",  # as docker-compose.yml's
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,

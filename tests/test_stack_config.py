@@ -342,12 +342,17 @@ def test_compose_services_wire_up(compose):
     config_target = _mount_target(collector, "./deploy/otel-collector/config.yaml")
     assert f"--config={config_target}" in collector["command"]
     published = {p.rsplit(":", 1)[-1]: p for p in collector["ports"]}
-    assert set(published) == {"4317", "4318"}
+    assert set(published) == {"4317", "4318", "8889"}
     assert all(p.startswith("127.0.0.1:") for p in published.values())
     config = _yaml(COLLECTOR_CONFIG)
     protocols = config["receivers"]["otlp"]["protocols"]
     assert protocols["grpc"]["endpoint"].endswith(":4317")
     assert protocols["http"]["endpoint"].endswith(":4318")
+    metrics_exporter = config["exporters"].pop("prometheus")  # served, not sent: Prometheus scrapes it
+    assert metrics_exporter["endpoint"].endswith(":8889") and metrics_exporter["enable_open_metrics"]
+    scrape_jobs = {job["job_name"]: job for job in _yaml(REPO / "deploy" / "prometheus" / "prometheus.yml")
+                   ["scrape_configs"]}
+    assert scrape_jobs["otel-collector"]["static_configs"][0]["targets"] == ["127.0.0.1:8889"]
     for exporter in config["exporters"].values():
         host = exporter["endpoint"].split("://")[-1].split(":")[0]
         assert host in services, f"collector exports to unknown host {host}"
@@ -396,8 +401,9 @@ def test_promtool_accepts_a_worker_target_file(tmp_path):
 
 def test_prometheus_keeps_the_exporters_worker_label():
     config = _yaml(PROMETHEUS_CONFIG)
-    (job,) = config["scrape_configs"]
-    assert job["honor_labels"] is True
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"rpc_observe", "otel-collector"}  # the workers, and what they push over OTLP
+    assert all(job["honor_labels"] is True for job in jobs.values())
     interval = config["global"]["scrape_interval"]
     datasources = _yaml(DATASOURCES_FILE)["datasources"]
     prometheus = next(d for d in datasources if d["type"] == "prometheus")
@@ -598,6 +604,10 @@ def test_grafana_datasources_provisioning():
     jaeger_port = urlsplit(by_type["jaeger"]["url"]).port
     assert f"127.0.0.1:{jaeger_port}:16686" in compose["jaeger"]["ports"]
     assert urlsplit(generate.JAEGER_UI_URL).port == jaeger_port
+    # Exemplars lead to Jaeger, and Prometheus keeps them.
+    assert by_type["prometheus"]["jsonData"]["exemplarTraceIdDestinations"] == [
+        {"name": "trace_id", "datasourceUid": generate.JAEGER_UID}]
+    assert "--enable-feature=exemplar-storage" in compose["prometheus"]["command"]
 
 
 def test_grafana_dashboard_provider_points_at_the_dashboards():
@@ -647,7 +657,7 @@ def test_dashboard_datasource_uids_are_provisioned(dashboard):
 KNOWN_COLLECTOR_COMPONENTS = {
     "receivers": {"otlp"},
     "processors": {"batch", "memory_limiter"},
-    "exporters": {"otlp", "otlphttp", "debug"},
+    "exporters": {"otlp", "otlphttp", "debug", "prometheus"},
     "extensions": {"health_check", "pprof", "zpages"},
 }
 
@@ -673,7 +683,7 @@ def test_collector_config_is_consistent():
             assert name.split("/")[0] in KNOWN_COLLECTOR_COMPONENTS[kind], f"unknown {kind} {name}"
     assert set(config) <= {"receivers", "processors", "exporters", "extensions", "connectors",
                            "service"}
-    assert "traces" in service["pipelines"]
+    assert "traces" in service["pipelines"] and "metrics" in service["pipelines"]
 
 
 # ---------------------------------------------------------------------------
@@ -921,6 +931,8 @@ def test_latency_panels_link_to_traces(dashboard):
         explore = [link for link in links
                    if (link.get("internal") or {}).get("datasourceUid") == generate.JAEGER_UID]
         assert jaeger and explore, f"{panel['title']}: no link to the trace viewer"
+        quantiles = [t for t in panel["targets"] if "histogram_quantile" in t["expr"]]
+        assert not quantiles or any(t.get("exemplar") is True for t in quantiles), f"{panel['title']}: no exemplars"
         # Jaeger needs a service; rpc_observe names spans after the worker.
         grouping = grouping_labels("".join(_exprs([panel])))
         service = "${__field.labels.worker}" if "worker" in grouping else "${trace_service}"
