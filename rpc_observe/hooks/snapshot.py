@@ -79,13 +79,11 @@ def ages() -> tuple[float, float]:
     return call_age, (now - min(starts)) / 1e9 if starts else 0.0
 
 
-def age_gauges() -> list[tuple[str, str, float]]:
-    """The watchdog's two gauges, for the scrape: (metric name, help, value)."""
+def age_gauges() -> list[tuple[str, float]]:
+    """The watchdog's two gauges, for the scrape: (metric name, value)."""
     call_age, udf_age = ages()
-    return [("torch_rpc_client_oldest_call_age_seconds",
-             "Age of the oldest client RPC this worker has in flight (0: none).", call_age),
-            ("torch_rpc_server_oldest_udf_age_seconds",
-             "Age of the oldest Python UDF this worker is running (0: none).", udf_age)]
+    return [("torch_rpc_client_oldest_call_age_seconds", call_age),
+            ("torch_rpc_server_oldest_udf_age_seconds", udf_age)]
 
 
 def _agent() -> dict[str, int] | None:
