@@ -5,7 +5,8 @@ A call starts in `client` (a `Call` per call), gets an id when its request is pi
 (`pickler.serialize`, only for calls whose response the callee echoes: see
 `ClientSite.echoed`) and ends in exactly one of these ways, all through `Call.finish`:
 - its echoed response is unpickled (`pickler.deserialize`, the common case; the
-  successful, unprofiled ending is done inline there with these names);
+  successful, unprofiled ending is done inline there with these names, and
+  tests/unit/test_endings.py holds it to `Call.finish` on the same inputs);
 - a done-callback (`Call.on_done`), for Python calls whose responses carry no echo
   (async_execution functions, a peer without rpc_observe);
 - where an `rpc_sync`'s wait returns (`client._EndsOnWait`), for a builtin or TorchScript

@@ -226,7 +226,7 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                                 runtime.profiler is not None and runtime.profiler.armed):
                             call.finish(end_ns, calls.remote_error(obj), callee_ns)
                             return obj
-                        # Call.finish, inline, for a successful call no profiler has seen.
+                        # Call.finish, inline, for a successful call no profiler has seen (tests/unit/test_endings.py).
                         _finished_append((site, call.id, call.start_ns, end_ns, None))
                         if record is not None:
                             if callee_ns >= 0:

@@ -164,7 +164,7 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
             if type(result) is RemoteException or tid:
                 error = remote_error(result)
                 Serving(runtime, site, start_ns, span, tid).finish(*(error or (None, None)))
-            else:  # Serving.finish, inline, for a plain successful run
+            else:  # Serving.finish, inline, for a plain successful run (tests/unit/test_endings.py)
                 end_ns = _time_ns()
                 if site.record is not None:
                     site.record((fold_served, site.duration, (end_ns - start_ns) / 1e9))
