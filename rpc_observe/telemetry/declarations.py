@@ -3,8 +3,8 @@
 `Metrics` (per-call metrics, the add-on's health, the agent's gauges) and `StateGauges`
 (torch's state, the oldest call and UDF) build their families from these rows, in this
 order; the dashboard check (`dashboards/generate.py --check`, tests/test_dashboards_live.py)
-and tests/unit/test_declarations.py (the README's metric table) read them too. Adding a
-metric is a row here, the code that measures it, and a row in the README's table
+and tests/unit/test_declarations.py (the documented metric table) read them too. Adding a
+metric is a row here, the code that measures it, and a row in the documented table
 (CONTRIBUTING.md, "Adding a metric").
 
 Nothing here runs per call: `Metrics` resolves its rows when it is built, and the hot paths

@@ -98,8 +98,8 @@ class _Family:
         return cell
 
 
-def value_family(declaration: MetricDeclaration, labels: tuple[str, ...] | None = None) -> CounterMetricFamily | \
-        GaugeMetricFamily:
+def value_family(declaration: MetricDeclaration,
+                 labels: tuple[str, ...] | None = None) -> CounterMetricFamily | GaugeMetricFamily:
     """An empty family of a declared counter or gauge (`labels`: its declared ones if None)."""
     labels = declaration.label_names() if labels is None else labels
     if declaration.kind == "counter":  # prometheus_client adds the _total
