@@ -12,6 +12,9 @@ Usage::
     python dashboards/generate.py            # rewrite rpc_observe.json
     python dashboards/generate.py --check    # exit 1 if the committed file is stale
 
+Either way it exits 1 if a query names a metric that ``rpc_observe/telemetry/declarations.py``
+does not declare.
+
 ``build_dashboard()`` assembles the dashboard's settings, variables and
 annotation and its rows, one function per row (``_overview_row()``,
 ``_latency_row()``, ...), built from small panel helpers (``_ts``, ``_stat``,
@@ -25,6 +28,8 @@ tests that run the panels' PromQL against a real Prometheus:
 * ``panel_queries(dashboard_json)`` -> ``[(panel_title, expr), ...]``
 * ``annotation_queries(dashboard_json)`` and ``variable_selectors(dashboard_json)``
   for the annotation queries and the series selectors of the variables
+* ``referenced_metrics(dashboard_json)`` and ``undeclared_metrics(dashboard_json)``: the
+  metric names the queries use, and those rpc_observe does not declare
 * ``substitute_variables(expr, ...)`` -> plain PromQL with ``$job``,
   ``$worker``, ``$method``, ``$__rate_interval``, ``$__interval``,
   ``$__range`` (and their ``${...}`` forms) replaced.
@@ -145,6 +150,24 @@ def annotation_queries(dashboard_json: Mapping[str, Any] | str) -> list[tuple[st
         if expr:
             out.append((annotation.get("name", ""), expr))
     return out
+
+
+_METRIC_NAME = re.compile(r"\b((?:torch_rpc|rpc_observe)_[a-z_]+)")
+
+
+def referenced_metrics(dashboard_json: Mapping[str, Any] | str) -> set[str]:
+    """Every rpc_observe sample name the panels, annotations and variables query."""
+    dashboard = _loaded(dashboard_json)
+    exprs = [expr for _, expr in panel_queries(dashboard) + annotation_queries(dashboard)]
+    exprs += [selector for _, selector, _ in variable_selectors(dashboard)]
+    return {name for expr in exprs for name in _METRIC_NAME.findall(expr)}
+
+
+def undeclared_metrics(dashboard_json: Mapping[str, Any] | str) -> list[str]:
+    """The sample names the dashboard queries that rpc_observe/telemetry/declarations.py does not declare."""
+    from rpc_observe.telemetry.declarations import sample_names
+
+    return sorted(referenced_metrics(dashboard_json) - sample_names())
 
 
 _LABEL_VALUES = re.compile(r"label_values\((?P<selector>.*),\s*(?P<label>\w+)\)", re.DOTALL)
@@ -858,6 +881,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     text = render()
+    undeclared = undeclared_metrics(text)
+    if undeclared:
+        print(f"the dashboard queries metrics rpc_observe does not declare (rpc_observe/telemetry/declarations.py): "
+              f"{', '.join(undeclared)}", file=sys.stderr)
+        return 1
     if args.check:
         current = args.output.read_text(encoding="utf-8") if args.output.exists() else None
         if current != text:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from rpc_observe.telemetry.declarations import sample_names
+
 from cluster import clean_env
 from prom import Prometheus
 
@@ -80,9 +82,13 @@ def test_series_carry_no_peer_except_the_callers_counters(live):
 
 
 def test_no_panel_references_a_metric_the_exporter_does_not_produce(live):
+    """The panels query declared metrics (rpc_observe/telemetry/declarations.py) that the demo's workers produce,
+    and the workers produce only declared ones."""
     produced = {r["metric"]["__name__"] for r in live.query('count by (__name__) ({job="rpc_observe"})')}
+    ours = {name for name in produced if re.match(r"(torch_rpc|rpc_observe)_", name)}
+    assert ours and ours <= sample_names(), sorted(ours - sample_names())
     produced |= {"rpc_observe_internal_errors_total"}  # only has samples once an error happened
-    referenced = set()
-    for _, expr in _queries():
-        referenced |= set(re.findall(r"\b((?:torch_rpc|rpc_observe)_[a-z_]+)", expr))
-    assert referenced and referenced <= produced, sorted(referenced - produced)
+    dashboard = json.loads((ROOT / "dashboards" / "rpc_observe.json").read_text())
+    referenced = generate.referenced_metrics(dashboard)
+    assert referenced and not generate.undeclared_metrics(dashboard)
+    assert referenced <= produced, sorted(referenced - produced)

@@ -32,7 +32,7 @@ def attach(runtime: Runtime) -> None:
     runtime.add_housekeeping(calls.sweep)
     runtime.add_closing(runtime.recorder.dump_if_calls_in_flight)  # first: before the calls are ended
     runtime.add_closing(calls.end_unfinished)
-    if runtime.metrics is not None:
+    if runtime.metrics is not None and runtime.state is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
         runtime.state.source = lambda: snapshot.age_gauges() + torch_state.debug_state()
     if compat.check("traffic"):

@@ -5,7 +5,8 @@ A call starts in `client` (a `Call` per call), gets an id when its request is pi
 (`pickler.serialize`, only for calls whose response the callee echoes: see
 `ClientSite.echoed`) and ends in exactly one of these ways, all through `Call.finish`:
 - its echoed response is unpickled (`pickler.deserialize`, the common case; the
-  successful, unprofiled ending is done inline there with these names);
+  successful, unprofiled ending is done inline there with these names, and
+  tests/unit/test_endings.py holds it to `Call.finish` on the same inputs);
 - a done-callback (`Call.on_done`), for Python calls whose responses carry no echo
   (async_execution functions, a peer without rpc_observe);
 - where an `rpc_sync`'s wait returns (`client._EndsOnWait`), for a builtin or TorchScript
@@ -60,10 +61,11 @@ _native_id = threading.get_native_id
 _get_ident = threading.get_ident
 Error = tuple[str, str]  # (error.type, message)
 # The UDF each thread runs, by thread id: (ServerSite, the caller's call id text, start ns, trace id or 0).
-Served = tuple[Any, str, int, int]
+Served = tuple["ServerSite", str, int, int]
 serving: dict[int, Served] = {}
 # The last finished calls, oldest first: (ClientSite, call id, start ns, end ns, error.type or None).
-finished: collections.deque[tuple[Any, int, int, int, str | None]] = collections.deque(maxlen=1000)
+Finished = tuple["ClientSite", int, int, int, "str | None"]
+finished: collections.deque[Finished] = collections.deque(maxlen=1000)
 
 
 class Call:
@@ -103,13 +105,14 @@ class Call:
             else:
                 site.record((fold_finished, site.cells, (end_ns - self.start_ns) / 1e9, self.span))
             if error is not None:
-                runtime.metrics.count_error("client", site.method, site.dst, error[0])
+                runtime.metrics.count_error(  # type: ignore[union-attr]  # a record implies metrics
+                    "client", site.method, site.dst, error[0])
         if self.span is not None:
             self.span.callee_ns = callee_ns
             if error is None:
-                runtime.tracer.end(self.span, end_ns)
+                runtime.tracer.end(self.span, end_ns)  # type: ignore[union-attr]  # a span implies a tracer
             else:
-                runtime.tracer.end(self.span, end_ns, error[1], error[0])
+                runtime.tracer.end(self.span, end_ns, error[1], error[0])  # type: ignore[union-attr]
         profiler = runtime.profiler
         if profiler is not None and self.rf is None and profiler.armed:
             profiler.record(site.key, "client", self.start_ns, end_ns, self.tid, self.span)
@@ -132,7 +135,7 @@ def end_raised(call: Call, error: BaseException) -> None:
         if call.id:
             in_flight.pop(call.id, None)
         if call.rf is not None:
-            call.runtime.profiler.client_end(call.rf)
+            call.runtime.profiler.client_end(call.rf)  # type: ignore[union-attr]  # an rf implies a profiler
         call.fail(error)
     except Exception:
         health.internal_error("client_end")

@@ -17,7 +17,7 @@ from torch.distributed.rpc.api import RPCExecMode
 
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
-from ..telemetry.metrics import fold_started
+from ..telemetry.metrics import Cell, ClientCells, MessageCells, Record, StartedRecord, fold_started
 from . import trailer
 from .calls import MAX_IN_FLIGHT, Call, end_raised, future_error, in_flight, local, next_id
 from .naming import helper_target, is_internal, is_proxy, method_name, profiling_key, proxy_method, span_attributes
@@ -34,6 +34,13 @@ class ClientSite:
 
     __slots__ = ("key", "span_name", "method", "mode", "dst", "attributes", "record", "cells", "started",
                  "request_cells", "response_cells", "received", "trailer_head", "echoed", "swept")
+    record: Callable[[Record], None] | None  # Metrics.record; None without metrics
+    # Set only with metrics: read only where `record` is not None.
+    cells: ClientCells
+    started: StartedRecord
+    request_cells: MessageCells
+    response_cells: MessageCells
+    received: Cell
 
     def __init__(self, runtime: Runtime, func: Any, mode: str, dst: str, named: str | None = None,
                  target: str | None = None) -> None:
@@ -58,12 +65,13 @@ class ClientSite:
         # them, and an rpc_sync ends where its wait returns.
         self.swept = mode == "remote" or torch_only
         metrics = runtime.metrics
-        self.record = metrics.record if metrics else None
-        self.cells = metrics.client_cells(self.method, mode, dst) if metrics else None
-        self.started = (fold_started, self.cells) if metrics else None
-        self.request_cells = metrics.message_cells("serialize", "request", self.method) if metrics else None
-        self.response_cells = metrics.message_cells("deserialize", "response", self.method) if metrics else None
-        self.received = self.cells.received_bytes if self.cells is not None else None  # response bytes from dst
+        self.record = metrics.record if metrics is not None else None
+        if metrics is not None:  # without metrics (record None) the cells are never read: left unset
+            self.cells = metrics.client_cells(self.method, mode, dst)
+            self.started = (fold_started, self.cells)
+            self.request_cells = metrics.message_cells("serialize", "request", self.method)
+            self.response_cells = metrics.message_cells("deserialize", "response", self.method)
+            self.received = self.cells.received_bytes  # response bytes from dst
 
 
 def _begin(runtime: Runtime, to: Any, func: Any, mode: str, udf_args: Any = None) -> Call | None:
@@ -124,7 +132,7 @@ def _watch(call: Call, future: Any) -> Any:
             else:
                 future.add_done_callback(call.on_done)
         if call.rf is not None:
-            return call.runtime.profiler.client_end_on(call.rf, future)
+            return call.runtime.profiler.client_end_on(call.rf, future)  # type: ignore[union-attr]  # rf: profiler
     except Exception:
         health.internal_error("client_watch")
     return future

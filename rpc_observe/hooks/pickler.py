@@ -105,7 +105,9 @@ def _request_cells(runtime: Runtime, func: Any, args: Any = None) -> MessageCell
         cached = runtime.request_cells.get(key)
         if cached is not None:
             return cached
-    cells = runtime.metrics.message_cells("deserialize", "request", name or method_name(func))
+    metrics = runtime.metrics  # callers record: metrics are on
+    cells = metrics.message_cells(  # type: ignore[union-attr]
+        "deserialize", "request", name or method_name(func))
     try:
         if len(runtime.request_cells) > _MAX_CACHED:
             runtime.request_cells.clear()
@@ -121,7 +123,9 @@ def _message_cells(runtime: Runtime, direction: str, message: str, method: str =
     key = (direction, message, method)
     cells = runtime.request_cells.get(key)
     if cells is None:
-        cells = runtime.request_cells[key] = runtime.metrics.message_cells(direction, message, method)
+        metrics = runtime.metrics  # callers record: metrics are on
+        cells = runtime.request_cells[key] = metrics.message_cells(  # type: ignore[union-attr]
+            direction, message, method)
     return cells
 
 
@@ -147,7 +151,8 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
             call = getattr(_local, "call", None) if type(obj) is PythonUDF else None
             if call is not None:  # a request
                 site = call.site
-                context = runtime.tracer.context_text(call.span) if call.span is not None else ""
+                context = (runtime.tracer.context_text(call.span)  # type: ignore[union-attr]  # span: tracer
+                           if call.span is not None else "")
                 call_id = _next_id() if site.echoed and len(_in_flight) < _MAX_IN_FLIGHT else 0
                 tail = trailer.request_trailer(site.trailer_head, call_id, context)
                 record = site.record
@@ -221,7 +226,7 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                                 runtime.profiler is not None and runtime.profiler.armed):
                             call.finish(end_ns, calls.remote_error(obj), callee_ns)
                             return obj
-                        # Call.finish, inline, for a successful call no profiler has seen.
+                        # Call.finish, inline, for a successful call no profiler has seen (tests/unit/test_endings.py).
                         _finished_append((site, call.id, call.start_ns, end_ns, None))
                         if record is not None:
                             if callee_ns >= 0:
@@ -232,7 +237,7 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                         span = call.span
                         if span is not None:
                             span.callee_ns = callee_ns
-                            runtime.tracer.end(span, end_ns)
+                            runtime.tracer.end(span, end_ns)  # type: ignore[union-attr]  # span: tracer
                         return obj
                 elif payload[:_PREFIX_SIZE] == _REQUEST_PREFIX and type(obj) is PythonUDF and payload.isascii():
                     # A request: `trailer.split`'s checks, inline; anything they do not accept goes through it.

@@ -18,7 +18,7 @@ from torch.distributed.rpc.internal import RemoteException
 
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
-from ..telemetry.metrics import fold_served
+from ..telemetry.metrics import MessageCells, Record, ServerCells, fold_served
 from . import trailer
 from .calls import future_error, pending_replies, remote_error, serving
 from .naming import PROXY_FUNCTIONS, is_internal, method_name, profiling_key, proxy_method, span_attributes
@@ -40,6 +40,9 @@ class ServerSite:
 
     __slots__ = ("key", "span_name", "method", "src", "attributes", "record", "cells", "response_cells",
                  "is_async", "replies", "replies_later")
+    record: Callable[[Record], None] | None  # Metrics.record; None without metrics
+    cells: ServerCells  # set only with metrics, as response_cells: read only where `record` is not None
+    response_cells: MessageCells
 
     def __init__(self, runtime: Runtime, func: Any, src: str, mode: str, named: str | None = None) -> None:
         torch_name = method_name(func) if func is not None else UNKNOWN
@@ -53,9 +56,10 @@ class ServerSite:
         torch_key = profiling_key(mode, torch_name, src, runtime.worker)
         self.attributes = span_attributes(self.method, src, runtime.worker, mode, torch_key, is_internal(func))
         metrics = runtime.metrics
-        self.record = metrics.record if metrics else None
-        self.cells = metrics.server_cells(self.method, src) if metrics else None
-        self.response_cells = metrics.message_cells("serialize", "response", self.method) if metrics else None
+        self.record = metrics.record if metrics is not None else None
+        if metrics is not None:  # without metrics (record None) the cells are never read: left unset
+            self.cells = metrics.server_cells(self.method, src)
+            self.response_cells = metrics.message_cells("serialize", "response", self.method)
 
 
 def _site(runtime: Runtime, key: tuple[Any, ...]) -> ServerSite:
@@ -85,9 +89,10 @@ class Serving:
         if site.record is not None:
             site.record((fold_served, site.cells, (end_ns - self.start_ns) / 1e9, self.span))
             if error_type is not None:
-                runtime.metrics.count_error("server", site.method, site.src, error_type)
+                runtime.metrics.count_error(  # type: ignore[union-attr]  # a record implies metrics
+                    "server", site.method, site.src, error_type)
         if self.span is not None:
-            runtime.tracer.end(self.span, end_ns, message, error_type)
+            runtime.tracer.end(self.span, end_ns, message, error_type)  # type: ignore[union-attr]  # span: tracer
         profiler = runtime.profiler
         if profiler is not None and profiler.armed:
             profiler.record(site.key, "server", self.start_ns, end_ns, self.tid, self.span)
@@ -149,7 +154,7 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 else:
                     serving[thread] = outer
                 if token is not None:
-                    tracer.detach(token)
+                    tracer.detach(token)  # type: ignore[union-attr]  # a token implies a tracer
             except Exception:
                 health.internal_error("server_detach")
         try:
@@ -159,12 +164,12 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
             if type(result) is RemoteException or tid:
                 error = remote_error(result)
                 Serving(runtime, site, start_ns, span, tid).finish(*(error or (None, None)))
-            else:  # Serving.finish, inline, for a plain successful run
+            else:  # Serving.finish, inline, for a plain successful run (tests/unit/test_endings.py)
                 end_ns = _time_ns()
                 if site.record is not None:
                     site.record((fold_served, site.cells, (end_ns - start_ns) / 1e9, span))
                 if span is not None:
-                    tracer.end(span, end_ns)
+                    tracer.end(span, end_ns)  # type: ignore[union-attr]  # a span implies a tracer
             if site.replies:
                 pending_replies[_thread_id()] = ((site, fields[_CALL_ID], getattr(python_udf, "rpc_observe_start", 0.0))
                                                  if fields is not None else (site, "", 0.0))

@@ -79,13 +79,11 @@ def ages() -> tuple[float, float]:
     return call_age, (now - min(starts)) / 1e9 if starts else 0.0
 
 
-def age_gauges() -> list[tuple[str, str, float]]:
-    """The watchdog's two gauges, for the scrape: (metric name, help, value)."""
+def age_gauges() -> list[tuple[str, float]]:
+    """The watchdog's two gauges, for the scrape: (metric name, value)."""
     call_age, udf_age = ages()
-    return [("torch_rpc_client_oldest_call_age_seconds",
-             "Age of the oldest client RPC this worker has in flight (0: none).", call_age),
-            ("torch_rpc_server_oldest_udf_age_seconds",
-             "Age of the oldest Python UDF this worker is running (0: none).", udf_age)]
+    return [("torch_rpc_client_oldest_call_age_seconds", call_age),
+            ("torch_rpc_server_oldest_udf_age_seconds", udf_age)]
 
 
 def _agent() -> dict[str, int] | None:
@@ -146,9 +144,9 @@ def tables(read_torch: bool = True) -> dict[str, Any]:
                 "caller": parent[0].src, "call_id": _call_id(parent[1]), "method": parent[0].method},
         })
     served = []
-    for thread, (site, call_id, start_ns, trace_id) in list(calls.serving.items()):
-        served.append({"caller": site.src, "call_id": _call_id(call_id), "method": site.method,
-                       "mode": site.attributes.get("torch.rpc.exec_mode"), "age_s": (now - start_ns) / 1e9,
+    for thread, (udf_site, call_id, start_ns, trace_id) in list(calls.serving.items()):
+        served.append({"caller": udf_site.src, "call_id": _call_id(call_id), "method": udf_site.method,
+                       "mode": udf_site.attributes.get("torch.rpc.exec_mode"), "age_s": (now - start_ns) / 1e9,
                        "thread": thread, "trace_id": _hex(trace_id, 32)})
     finished = [{"call_id": call_id, "method": site.method, "peer": site.dst, "mode": site.mode,
                  "duration_s": (end_ns - start_ns) / 1e9, "status": error or "ok",

@@ -12,21 +12,19 @@ def agent_debug_info() -> dict[str, Any]:
     return api._get_current_rpc_agent().get_debug_info()
 
 
-# torch's debug counters, as (metric name, source, key, help); read at scrape time.
+# torch's debug counters, as (metric name, source, key); read at scrape time, declared in telemetry.declarations.
 DEBUG_GAUGES = (
-    ("torch_rpc_rref_owners", "rref", "num_owner_rrefs", "OwnerRRefs this worker holds (a steady rise is a leak)."),
-    ("torch_rpc_rref_pending_users", "rref", "num_pending_users", "UserRRefs waiting for their owner's confirmation."),
-    ("torch_rpc_rref_forks", "rref", "num_forks", "RRef forks this worker still tracks."),
-    ("torch_rpc_rref_pending_futures", "rref", "num_pending_futures", "OwnerRRef values not yet set."),
-    ("torch_rpc_dist_autograd_contexts", "autograd", "num_autograd_contexts",
-     "Live distributed autograd contexts (a steady rise is a leak)."),
-    ("torch_rpc_dist_autograd_backward_passes", "autograd", "num_current_backward_passes",
-     "Distributed backward passes in progress."),
+    ("torch_rpc_rref_owners", "rref", "num_owner_rrefs"),
+    ("torch_rpc_rref_pending_users", "rref", "num_pending_users"),
+    ("torch_rpc_rref_forks", "rref", "num_forks"),
+    ("torch_rpc_rref_pending_futures", "rref", "num_pending_futures"),
+    ("torch_rpc_dist_autograd_contexts", "autograd", "num_autograd_contexts"),
+    ("torch_rpc_dist_autograd_backward_passes", "autograd", "num_current_backward_passes"),
 )
 
 
-def debug_state() -> list[tuple[str, str, float]]:
-    """(metric name, help, value) of torch's RRef and distributed autograd debug info."""
+def debug_state() -> list[tuple[str, float]]:
+    """(metric name, value) of torch's RRef and distributed autograd debug info."""
     import torch.distributed.autograd as dist_autograd
     import torch.distributed.rpc as rpc
 
@@ -40,8 +38,8 @@ def debug_state() -> list[tuple[str, str, float]]:
     except Exception:
         pass
     found = []
-    for name, source, key, doc in DEBUG_GAUGES:
+    for name, source, key in DEBUG_GAUGES:
         value = sources.get(source, {}).get(key)
         if value is not None:
-            found.append((name, doc, float(value)))
+            found.append((name, float(value)))
     return found

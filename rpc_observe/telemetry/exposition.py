@@ -74,7 +74,7 @@ def start_http_server(port: int, addr: str, registry: CollectorRegistry,
 
 
 def serve(registry: CollectorRegistry, config: Config, rank: int | None,
-          debug: DebugSource | None = None) -> tuple[object, int]:
+          debug: DebugSource | None = None) -> tuple[WSGIServer, int]:
     """Starts the HTTP server on base port + local rank, or on a free port if that fails."""
     port = 0
     if config.metrics_port is not None:

@@ -5,7 +5,7 @@ step costs several times its warm cost. So the hot path only appends one tuple p
 message or call to a deque (a single C call, safe across threads), and `drain` folds
 them into plain lists under one lock: the housekeeping thread does it a few times a
 second, and every scrape does it first, so a scrape is always exact. A custom
-collector turns the lists into metric families. Label sets are bound once per call
+collector turns the lists into metric families, as `declarations` declares them. Label sets are bound once per call
 site; function names (`RPC_OBSERVE_MAX_METHODS`) and peer names (`RPC_OBSERVE_MAX_PEERS`) are
 capped, the rest become `other`.
 
@@ -21,7 +21,7 @@ import bisect
 import collections
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -30,31 +30,18 @@ from prometheus_client.utils import floatToGoString
 
 from . import health
 
-# 50 us .. 60 s, and 64 B .. 4 GiB (powers of 4).
-LATENCY_BUCKETS = (
-    5e-5,
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+if TYPE_CHECKING:
+    from .tracing import SpanRecord
+from .declarations import (
+    BY_NAME,
+    CALL_METRICS,
+    COUNT_BUCKETS,
+    LATENCY_BUCKETS,
+    SERIALIZATION_BUCKETS,
+    SIZE_BUCKETS,
+    MetricDeclaration,
 )
-SIZE_BUCKETS = tuple(float(64 * 4**i) for i in range(14))
-COUNT_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)
-SERIALIZATION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0, 10.0)
+
 OTHER = "other"
 DEFAULT_MAX_PEERS = 256  # config.Config.max_peers
 Cell = list  # [value] for counters and gauges; [bucket counts..., sum] for histograms
@@ -91,28 +78,34 @@ class ServerCells(NamedTuple):
 
 
 # The records the hot paths queue, built there as plain tuple displays: a NamedTuple
-# instance costs 2-4x more to build (+85 ns warm per record, 4 records per RPC).
-# Layouts, as the fold functions below unpack them:
-#   (fold_message, MessageCells, payload bytes, tensors, tensor bytes, storage bytes, seconds,
-#    peer bytes cell or None, bytes on the wire): the cell is the destination's sent_bytes for
-#    a request the caller pickles, its received_bytes for a response it unpickles
-#   (fold_started, ClientCells)
-#   (fold_finished, ClientCells, seconds, span or None)
-#   (fold_split, ClientCells, seconds, the callee's seconds, span or None): a call whose response gave the
-#    callee's time
-#   (fold_served, ServerCells, seconds, span or None)
-# A sampled span becomes its bucket's exemplar: the fold keeps a reference, the scrape formats it.
+# instance costs 2-4x more to build (+85 ns warm per record, 4 records per RPC). These
+# aliases cost nothing at run time; mypy checks each display against them, and each fold
+# function's unpacking too. Each record starts with the fold function that takes it:
+# (fold_message, MessageCells, payload bytes, tensors, tensor bytes, storage bytes, seconds,
+#  peer bytes cell or None, bytes on the wire): the cell is the destination's sent_bytes for
+#  a request the caller pickles, its received_bytes for a response it unpickles.
+# A call's or a served call's span (None without a tracer): if sampled, its bucket's exemplar;
+# the fold keeps a reference, the scrape formats its ids.
+MessageRecord = tuple["Callable[[MessageRecord], None]", MessageCells, int, int, int, int, float, "Cell | None", int]
+StartedRecord = tuple["Callable[[StartedRecord], None]", ClientCells]  # a call started
+# A call ended: (..., seconds, span).
+FinishedRecord = tuple["Callable[[FinishedRecord], None]", ClientCells, float, "SpanRecord | None"]
+# A call whose response gave the callee's time: (..., seconds, the callee's seconds, span).
+SplitRecord = tuple["Callable[[SplitRecord], None]", ClientCells, float, float, "SpanRecord | None"]
+# A UDF run ended: (..., seconds, span).
+ServedRecord = tuple["Callable[[ServedRecord], None]", ServerCells, float, "SpanRecord | None"]
+Record = MessageRecord | StartedRecord | FinishedRecord | SplitRecord | ServedRecord
 
 
 class _Family:
-    """One metric: its label names and, per label values, a cell (counter/gauge) or histogram."""
+    """One declared metric: its label names and, per label values, a cell (counter/gauge) or histogram."""
 
-    def __init__(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...] | None = None,
-                 exemplars: bool = False):
-        self.name, self.doc, self.labels, self.buckets = name, doc, labels, buckets
+    def __init__(self, declaration: MetricDeclaration, peer_histograms: bool) -> None:
+        self.declaration, self.buckets = declaration, declaration.buckets
+        self.labels = declaration.label_names(peer_histograms)
         self.children: dict[tuple[str, ...], list] = {}
-        # Per label values, a bucket's last exemplar: (span record, seconds) or None; latency histograms only.
-        self.exemplars: dict[tuple[str, ...], list] | None = {} if exemplars else None
+        # Per label values, a bucket's last exemplar: (span record, seconds) or None; declared histograms only.
+        self.exemplars: dict[tuple[str, ...], list] | None = {} if declaration.exemplars else None
 
     def exemplars_of(self, values: tuple[str, ...]) -> list:
         """The exemplar slots of `values` (one per bucket, +Inf included); call with the child made."""
@@ -128,12 +121,35 @@ class _Family:
         return cell
 
 
+def value_family(declaration: MetricDeclaration,
+                 labels: tuple[str, ...] | None = None) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty family of a declared counter or gauge (`labels`: its declared ones if None)."""
+    labels = declaration.label_names() if labels is None else labels
+    if declaration.kind == "counter":  # prometheus_client adds the _total
+        return CounterMetricFamily(declaration.name.removesuffix("_total"), declaration.help, labels=labels)
+    return GaugeMetricFamily(declaration.name, declaration.help, labels=labels)
+
+
+_INTERNAL_ERRORS = BY_NAME["rpc_observe_internal_errors_total"]
+_SPANS_DROPPED = BY_NAME["rpc_observe_spans_dropped_total"]
+_INVALID_CONTEXT = BY_NAME["rpc_observe_invalid_context_total"]
+_EXPORTS_FAILED = BY_NAME["rpc_observe_metric_exports_failed_total"]
+_AGENT_GAUGES = (  # (declaration, key in the agent's debug info, scale to the declared unit)
+    (BY_NAME["torch_rpc_agent_threads"], "agent.thread_pool_size", 1.0),
+    (BY_NAME["torch_rpc_agent_idle_threads"], "agent.num_idle_threads", 1.0),
+    (BY_NAME["torch_rpc_agent_gil_wait_seconds"], "agent.gil_average_wait_time_us", 1e-6),
+)
+_ACTIVE_CALLS = BY_NAME["torch_rpc_agent_active_calls"]
+_ACTIVE_CALLS_KEYS = (("client", "agent.client_active_calls"), ("server", "agent.server_active_calls"),
+                      ("async", "agent.server_active_async_calls"))
+
+
 _bisect = bisect.bisect_left
 
 
 # Record handlers, applied by `Metrics.drain` under its lock; each record is (handler, ...).
 # The hot paths build the records themselves and pass them to `Metrics.record`.
-def fold_message(r: tuple) -> None:
+def fold_message(r: MessageRecord) -> None:
     """Five observations, inlined: a function call per histogram made the fold ~15 % dearer (2.45 against
     2.1 us per RPC's records, warm), and it runs for every message in the process everyone calls.
     Sizes and counts are >= 0; a duration is clamped at 0, as client_python does."""
@@ -157,13 +173,13 @@ def fold_message(r: tuple) -> None:
     cell[-1] += seconds if seconds > 0 else 0.0
 
 
-def fold_started(r: tuple) -> None:
+def fold_started(r: StartedRecord) -> None:
     _, cells = r
     cells.requests[0] += 1
     cells.in_flight[0] += 1
 
 
-def fold_finished(r: tuple) -> None:
+def fold_finished(r: FinishedRecord) -> None:
     _, cells, seconds, span = r
     cell = cells.duration
     bucket = _bisect(LATENCY_BUCKETS, seconds)
@@ -174,7 +190,7 @@ def fold_finished(r: tuple) -> None:
         cells.exemplars[bucket] = (span, seconds)
 
 
-def fold_split(r: tuple) -> None:
+def fold_split(r: SplitRecord) -> None:
     """fold_finished, and the call's time split into the callee's own and the rest (client = callee + outside)."""
     _, cells, seconds, callee, span = r
     cell = cells.duration
@@ -193,7 +209,7 @@ def fold_split(r: tuple) -> None:
     cell[-1] += outside
 
 
-def fold_served(r: tuple) -> None:
+def fold_served(r: ServedRecord) -> None:
     _, cells, seconds, span = r
     cell = cells.duration
     bucket = _bisect(LATENCY_BUCKETS, seconds)
@@ -223,103 +239,32 @@ class Metrics(Collector):
         peer_histograms: bool = False,
     ) -> None:
         self.worker = worker
-        self._records: collections.deque = collections.deque()
-        self.record = self._records.append  # record((fold_..., ...)): one C call, safe across threads
+        self._records: collections.deque[Record] = collections.deque()
+        self.record: Callable[[Record], None] = self._records.append  # one C call, safe across threads
         self._before_collect = before_collect
         self._limits = {"method": max_names, "peer": max_peers, "exception": max_names}
         self._names: dict[str, set] = {"method": set(), "peer": set(), "exception": set()}
         self.peer_histograms = peer_histograms  # RPC_OBSERVE_PEER_LABELS=histograms
-        dst: tuple[str, ...] = ("dst",) if peer_histograms else ()
-        src: tuple[str, ...] = ("src",) if peer_histograms else ()
         self.agent_info = agent_info
         self.lock = threading.Lock()
-        w = ("worker",)
-        msg = w + ("direction", "message", "method")
-        self.serialized_bytes = _Family(
-            "torch_rpc_serialized_bytes", "Pickled RPC payload size per message (tensors excluded).", msg, SIZE_BUCKETS
-        )
-        self.serialized_tensors = _Family(
-            "torch_rpc_serialized_tensors", "Tensors in the tensor table per message.", msg, COUNT_BUCKETS
-        )
-        self.tensor_bytes = _Family(
-            "torch_rpc_tensor_bytes", "Logical tensor bytes (numel * element_size) per message.", msg, SIZE_BUCKETS
-        )
-        self.storage_bytes = _Family(
-            "torch_rpc_tensor_storage_bytes", "Tensor storage bytes that travel per message.", msg, SIZE_BUCKETS
-        )
-        self.serialization_seconds = _Family(
-            "torch_rpc_serialization_seconds",
-            "Time spent pickling or unpickling a message.",
-            msg,
-            SERIALIZATION_BUCKETS,
-        )
-        self.client_duration = _Family(
-            "torch_rpc_client_duration_seconds",
-            "Client RPC duration until its future completes.",
-            w + ("method", "mode") + dst,
-            LATENCY_BUCKETS,
-            exemplars=True,
-        )
-        self.client_callee = _Family(
-            "torch_rpc_client_callee_seconds",
-            "The callee's own time for a call, as its response says: from unpickling the request to pickling "
-            "the response.",
-            w + ("method", "mode") + dst,
-            LATENCY_BUCKETS,
-        )
-        self.client_outside = _Family(
-            "torch_rpc_client_outside_seconds",
-            "A call's client duration minus the callee's own time: queueing in the callee's thread pool, "
-            "(de)serialization, the wire (client = callee + outside).",
-            w + ("method", "mode") + dst,
-            LATENCY_BUCKETS,
-        )
-        self.client_requests = _Family(
-            "torch_rpc_client_requests_total", "Client RPCs started.", w + ("method", "mode", "dst")
-        )
-        self.client_errors = _Family(
-            "torch_rpc_client_errors_total",
-            "Client RPCs that failed, by exception.",
-            w + ("method", "dst", "exception"),
-        )
-        self.client_in_flight = _Family(
-            "torch_rpc_client_in_flight", "Client RPCs started and not yet completed.", w + ("dst",)
-        )
-        self.client_sent_bytes = _Family(
-            "torch_rpc_client_sent_bytes_total",
-            "Request bytes (pickle and tensor storage) sent to each peer.",
-            w + ("dst",),
-        )
-        self.client_received_bytes = _Family(
-            "torch_rpc_client_received_bytes_total",
-            "Response bytes (pickle and tensor storage) received from each peer.",
-            w + ("dst",),
-        )
-        self.server_duration = _Family(
-            "torch_rpc_server_duration_seconds",
-            "Server-side run time of Python UDFs.",
-            w + ("method",) + src,
-            LATENCY_BUCKETS,
-            exemplars=True,
-        )
-        self.server_errors = _Family(
-            "torch_rpc_server_errors_total",
-            "Python UDFs that raised, by exception.",
-            w + ("method",) + src + ("exception",),
-        )
-        self._histograms = (
-            self.serialized_bytes,
-            self.serialized_tensors,
-            self.tensor_bytes,
-            self.storage_bytes,
-            self.serialization_seconds,
-            self.client_duration,
-            self.client_callee,
-            self.client_outside,
-            self.server_duration,
-        )
-        self._counters = (self.client_requests, self.client_errors, self.client_sent_bytes, self.client_received_bytes,
-                          self.server_errors)
+        # Resolved here, once: the hot paths only touch cells bound from these families.
+        families = {d.name: _Family(d, peer_histograms) for d in CALL_METRICS}
+        self._families = tuple(families.values())  # in the declared order, which is the scrape's
+        self.serialized_bytes = families["torch_rpc_serialized_bytes"]
+        self.serialized_tensors = families["torch_rpc_serialized_tensors"]
+        self.tensor_bytes = families["torch_rpc_tensor_bytes"]
+        self.storage_bytes = families["torch_rpc_tensor_storage_bytes"]
+        self.serialization_seconds = families["torch_rpc_serialization_seconds"]
+        self.client_duration = families["torch_rpc_client_duration_seconds"]
+        self.client_callee = families["torch_rpc_client_callee_seconds"]
+        self.client_outside = families["torch_rpc_client_outside_seconds"]
+        self.server_duration = families["torch_rpc_server_duration_seconds"]
+        self.client_requests = families["torch_rpc_client_requests_total"]
+        self.client_errors = families["torch_rpc_client_errors_total"]
+        self.client_sent_bytes = families["torch_rpc_client_sent_bytes_total"]
+        self.client_received_bytes = families["torch_rpc_client_received_bytes_total"]
+        self.server_errors = families["torch_rpc_server_errors_total"]
+        self.client_in_flight = families["torch_rpc_client_in_flight"]
 
     # -- binding label sets (once per call site) --------------------------------
     def cap(self, kind: str, name: str) -> str:
@@ -353,7 +298,7 @@ class Metrics(Collector):
             n = len(records) if limit is None else min(limit, len(records))
             for _ in range(n):
                 record = pop()
-                record[0](record)
+                record[0](record)  # type: ignore[arg-type]  # each record holds the fold that takes it
         return bool(records)
 
     def client_cells(self, method: str, mode: str, dst: str) -> ClientCells:
@@ -401,11 +346,12 @@ class Metrics(Collector):
             snapshot = [
                 (f, [(k, list(v), list(f.exemplars.get(k, ())) if f.exemplars is not None else ())
                      for k, v in f.children.items()])
-                for f in self._histograms + self._counters + (self.client_in_flight,)
+                for f in self._families
             ]
         for family, children in snapshot:
+            declaration = family.declaration
             if family.buckets is not None:
-                histogram = HistogramMetricFamily(family.name, family.doc, labels=family.labels)
+                histogram = HistogramMetricFamily(declaration.name, declaration.help, labels=family.labels)
                 for values, cell, exemplars in children:
                     cumulative = 0
                     buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
@@ -419,11 +365,7 @@ class Metrics(Collector):
                     histogram.add_metric(values, buckets, cell[-1])
                 yield histogram
                 continue
-            metric: CounterMetricFamily | GaugeMetricFamily
-            if family.name.endswith("_total"):
-                metric = CounterMetricFamily(family.name.removesuffix("_total"), family.doc, labels=family.labels)
-            else:
-                metric = GaugeMetricFamily(family.name, family.doc, labels=family.labels)
+            metric = value_family(declaration, family.labels)
             for values, cell, _ in children:
                 metric.add_metric(values, cell[0])
             yield metric
@@ -431,30 +373,18 @@ class Metrics(Collector):
         yield from self._collect_agent()
 
     def _collect_health(self) -> Iterator[Metric]:
-        errors = CounterMetricFamily(
-            "rpc_observe_internal_errors", "Exceptions caught in rpc_observe's own code.", labels=("worker", "where")
-        )
+        errors = value_family(_INTERNAL_ERRORS)
         for where, count in sorted(health.internal_errors.items()):
             errors.add_metric((self.worker, where), count)
         yield errors
-        dropped = CounterMetricFamily(
-            "rpc_observe_spans_dropped",
-            "Spans dropped, by reason: queue_full, export_failed, timeout (shutdown flush), "
-            "disk_cap (deleted past RPC_OBSERVE_SPANS_MAX_BYTES), disk_error (span file not writable).",
-            labels=("worker", "reason"),
-        )
+        dropped = value_family(_SPANS_DROPPED)
         for reason, count in health.spans_dropped.items():  # every reason, 0 too: rate() sees the first drop
             dropped.add_metric((self.worker, reason), count)
         yield dropped
-        invalid = CounterMetricFamily(
-            "rpc_observe_invalid_context", "Malformed trace contexts received from peers (ignored).", labels=("worker",)
-        )
+        invalid = value_family(_INVALID_CONTEXT)
         invalid.add_metric((self.worker,), health.invalid_contexts[0])
         yield invalid
-        failed = CounterMetricFamily(
-            "rpc_observe_metric_exports_failed", "OTLP metric exports that failed (OTEL_METRICS_EXPORTER=otlp).",
-            labels=("worker",)
-        )
+        failed = value_family(_EXPORTS_FAILED)
         failed.add_metric((self.worker,), health.metric_exports_failed[0])
         yield failed
 
@@ -465,29 +395,13 @@ class Metrics(Collector):
             info = None  # no agent (before init_rpc or after shutdown): nothing to report
         if not info:
             return
-        gauges = (
-            ("torch_rpc_agent_threads", "RPC agent thread pool size.", "agent.thread_pool_size", 1.0),
-            ("torch_rpc_agent_idle_threads", "Idle threads in the RPC agent's pool.", "agent.num_idle_threads", 1.0),
-            (
-                "torch_rpc_agent_gil_wait_seconds",
-                "Average GIL wait time of the agent's threads (needs GIL profiling on).",
-                "agent.gil_average_wait_time_us",
-                1e-6,
-            ),
-        )
-        for name, doc, key, scale in gauges:
+        for declaration, key, scale in _AGENT_GAUGES:
             if key in info:
-                gauge = GaugeMetricFamily(name, doc, labels=("worker",))
+                gauge = value_family(declaration)
                 gauge.add_metric((self.worker,), float(info[key]) * scale)
                 yield gauge
-        active = GaugeMetricFamily(
-            "torch_rpc_agent_active_calls", "Calls in progress in the RPC agent.", labels=("worker", "side")
-        )
-        for side, key in (
-            ("client", "agent.client_active_calls"),
-            ("server", "agent.server_active_calls"),
-            ("async", "agent.server_active_async_calls"),
-        ):
+        active = value_family(_ACTIVE_CALLS)
+        for side, key in _ACTIVE_CALLS_KEYS:
             if key in info:
                 active.add_metric((self.worker, side), float(info[key]))
         yield active

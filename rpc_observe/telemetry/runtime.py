@@ -16,16 +16,46 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import RPC_OBSERVE_DIR, Config
 from . import exposition, health, signals
+
+if TYPE_CHECKING:  # imported when started, if at all: prometheus_client and OpenTelemetry cost import time
+    from wsgiref.simple_server import WSGIServer
+
+    from .metrics import MessageCells, Metrics
+    from .otlp_metrics import OtlpMetricsPusher
+    from .recorder import FlightRecorder
+    from .state import StateGauges
+    from .tracing import SpanRecord, Tracer
 
 _logger = logging.getLogger("rpc_observe")
 current: Runtime | None = None
 _start_lock = threading.Lock()
 HOUSEKEEPING_PERIOD_S = 0.1
 _DRAIN_SLICE = 256
+
+
+class Profiler(Protocol):
+    """What the hooks attach as `Runtime.profiler` (hooks.profiler_events.ProfilerEvents), which imports
+    torch: this package does not. `rf` is the torch `record_function` a Kineto-profiled thread's call holds."""
+
+    armed: bool  # a torch profiler has started in this process
+
+    def client_start(self, key: str) -> Any: ...
+
+    def client_end_on(self, rf: Any, future: Any) -> Any: ...
+
+    def client_end(self, rf: Any) -> None: ...
+
+    def record(self, key: str, kind: str, start_ns: int, end_ns: int, tid: int, span: SpanRecord | None) -> None: ...
+
+
+class ProfileSession(Protocol):
+    """RPC_OBSERVE_PROFILE's session (hooks.profiler_events.ProfileSession), attached by the hooks."""
+
+    def finish(self) -> None: ...
 
 
 class Runtime:
@@ -37,21 +67,23 @@ class Runtime:
         self.rank = rank
         self.world_size = world_size
         self.run_id = config.run_id
-        self.metrics: Any = None  # telemetry.metrics.Metrics when RPC_OBSERVE_METRICS is on
-        self.state: Any = None  # telemetry.state.StateGauges, with metrics
-        self.tracer: Any = None  # telemetry.tracing.Tracer when a traces exporter is set
-        self.profiler: Any = None  # hooks.profiler_events.ProfilerEvents, attached by the hooks
-        self.profile_session: Any = None  # RPC_OBSERVE_PROFILE's session, attached by the hooks
-        self.recorder: Any = None  # telemetry.recorder.FlightRecorder, attached by the hooks
-        self.otlp_metrics: Any = None  # telemetry.otlp_metrics.OtlpMetricsPusher with OTEL_METRICS_EXPORTER=otlp
+        self.metrics: Metrics | None = None  # when RPC_OBSERVE_METRICS is on
+        self.state: StateGauges | None = None  # with metrics
+        self.tracer: Tracer | None = None  # when a traces exporter is set
+        self.profiler: Profiler | None = None  # attached by the hooks
+        self.profile_session: ProfileSession | None = None  # attached by the hooks
+        self.recorder: FlightRecorder | None = None  # attached by the hooks
+        self.otlp_metrics: OtlpMetricsPusher | None = None  # with OTEL_METRICS_EXPORTER=otlp
         self.metrics_port: int | None = None
         self.target_path: str | None = None
         self.spans_path: str | None = None
-        self._server: Any = None
+        self._server: WSGIServer | None = None
         # Per call site caches of the hooks (names, attributes, metric cells), keyed by what they see.
+        # Keys are functions (any hashable the caller passes); the sites are the hooks' (hooks.client.ClientSite,
+        # hooks.server.ServerSite), which this package cannot name.
         self.client_sites: dict[Any, Any] = {}
         self.server_sites: dict[Any, Any] = {}
-        self.request_cells: dict[Any, Any] = {}  # cells of incoming requests by function, and of unknown messages
+        self.request_cells: dict[Any, MessageCells] = {}  # cells of incoming requests by function, of unknown messages
         self._housekeeping: list[Callable[[], None]] = []
         self._closing: list[Callable[[], None]] = []
         self._closed = False
@@ -80,6 +112,7 @@ class Runtime:
         """From now on a scrape reads nothing of torch's state (torch is shutting down or exiting)."""
         if self.metrics is not None:
             self.metrics.agent_info = None
+        if self.state is not None:
             self.state.source = None
         if self.recorder is not None:
             self.recorder.read_torch = False

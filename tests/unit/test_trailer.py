@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.rpc.internal import PythonUDF
 
-from rpc_observe.hooks import calls, trailer
+from rpc_observe.hooks import calls, pickler, trailer
 from rpc_observe.hooks.client import ClientSite
 from rpc_observe.hooks.pickler import wrap_deserialize
 from rpc_observe.telemetry import health, runtime
@@ -89,3 +89,34 @@ def test_response_fast_path_ends_exactly_the_call_split_names(metrics_runtime: r
         assert split[3] == int(callee) / 1e6 and call.span is None
     message = next(r for r in metrics_runtime.metrics._records if r[0] is fold_message)
     assert message[2] == size
+
+
+@pytest.mark.parametrize("tail", REQUESTS[:4], ids=range(4))
+def test_request_fast_path_counts_and_hands_on_as_the_general_path(metrics_runtime: runtime.Runtime,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   tail: bytes) -> None:
+    """The requests the fast path takes: the same UDF for `_run_function` and the same record as
+    `_on_other_message`, the general path, makes of the same bytes, tensors and clock readings."""
+    import torch
+
+    data, tensors = b"PICKLE." + tail, [torch.ones(3), torch.zeros(2, 2)[0]]
+    udf = PythonUDF(noop, (), {})
+    clock = iter([10.0, 10.5])
+    monkeypatch.setattr(pickler, "_perf_counter", lambda: next(clock))
+    fast = wrap_deserialize(lambda self, d, t: udf)(None, data, tensors)
+    fast_records = list(metrics_runtime.metrics._records)
+    metrics_runtime.metrics._records.clear()
+    general = pickler._on_other_message(metrics_runtime, udf, data, tensors, 10.0, 0.5)
+    assert type(fast) is type(general) is pickler._IncomingUDF and tuple(fast) == tuple(general)
+    assert (fast.rpc_observe_fields, fast.rpc_observe_start) == (general.rpc_observe_fields, general.rpc_observe_start)
+    assert fast_records == list(metrics_runtime.metrics._records) and fast_records[0][3] == 2
+
+
+@pytest.mark.parametrize(("head", "call_id", "context"), [
+    (HEAD, 0, ""), (HEAD, 12, ""), (HEAD, 12, "traceparent=x\x1fbaggage=k=v"), (HEAD, 0, "only context"),
+    (trailer.request_head("wörker", "async"), 3, "ctx"), (trailer.request_head("w" * 3000, "sync"), 3, "ctx"),
+])
+def test_request_trailer_packs_as_pack_does(head: str, call_id: int, context: str) -> None:
+    """`request_trailer` inlines `_pack`: the same bytes for the same text (cut to MAX_PAYLOAD alike)."""
+    text = head + (str(call_id) if call_id else "") + (trailer.SEP + context if context else "")
+    assert trailer.request_trailer(head, call_id, context) == trailer._pack(text)

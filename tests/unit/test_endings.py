@@ -1,0 +1,184 @@
+"""The hot paths' inline endings against their references, on the same inputs (as test_trailer.py does for
+the trailer): `pickler.deserialize` ends a call whose echoed response it unpickles inline, where
+`calls.Call.finish` is the reference; `server._run_function` ends a plain successful UDF run inline, where
+`server.Serving.finish` is. Each world (metrics, spans, an armed profiler) ends one call or run each way at
+the same clock readings, and everything either way leaves must be the same: metric records and counts,
+spans, profiler events, the flight recorder's last finished calls. Real torch objects, no RPC."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.rpc.internal import PythonUDF, RemoteException
+
+from rpc_observe import config
+from rpc_observe.hooks import calls, pickler, server, trailer
+from rpc_observe.hooks.client import ClientSite
+from rpc_observe.hooks.profiler_events import ProfilerEvents
+from rpc_observe.telemetry import health, runtime, tracing
+from rpc_observe.telemetry.metrics import ClientCells, Metrics, fold_finished, fold_message, fold_split
+
+START_NS, END_NS = 1_700_000_000_000_000_000, 1_700_000_000_004_000_000
+WORLDS = ["metrics+spans", "metrics", "spans", "nothing", "metrics+spans+profiler"]
+
+
+def noop() -> None:
+    pass
+
+
+@pytest.fixture(params=WORLDS)
+def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[runtime.Runtime]:
+    """A real Runtime with what the world's name says, current for the hooks; spans stay in the tracer's queue,
+    metric records in the metrics' (never drained: the test reads them)."""
+    name = request.param
+    environ = {"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0",
+               "RPC_OBSERVE_METRICS": "0", "OTEL_BSP_SCHEDULE_DELAY": "3600000"}
+    cfg = config.load(environ)
+    rt = runtime.Runtime(cfg, "worker0", 0)
+    if "metrics" in name:
+        rt.metrics = Metrics("worker0", 100)  # as with RPC_OBSERVE_METRICS=1, without serving it
+    if "spans" in name:
+        rt.tracer = tracing.Tracer(cfg, [])  # no sink: ended spans wait in its queue, read below
+    if "profiler" in name:
+        rt.profiler = ProfilerEvents("worker0", "")
+        rt.profiler.armed = True
+    calls.finished.clear()
+    runtime.current = rt
+    yield rt
+    runtime.current = None
+    calls.in_flight.clear()
+    calls.finished.clear()
+    rt.close()
+
+
+def _span(span: tracing.SpanRecord) -> tuple[Any, ...]:
+    """A span's fields, but its own random id."""
+    return (span.name, span.kind, span.parent_id, span.remote_parent, span.sampled, span.attributes, span.start_ns,
+            span.end_ns, span.error_type, span.error_message, span.callee_ns)
+
+
+def _effects(rt: runtime.Runtime) -> dict[str, Any]:
+    """What the ending left, taken out of the runtime so that the next ending starts from nothing."""
+    records = list(rt.metrics._records) if rt.metrics is not None else []
+    errors = ({family.declaration.name: {k: list(v) for k, v in family.children.items()}
+               for family in (rt.metrics.client_errors, rt.metrics.server_errors)} if rt.metrics is not None else {})
+    effects = {
+        # the message itself is counted either way; a record's span (an exemplar) compared by its fields
+        "records": [tuple(_span(x) if isinstance(x, tracing.SpanRecord) else x for x in r) for r in records
+                    if r[0] is not fold_message],
+        "errors": errors,
+        "spans": [_span(s) for s in rt.tracer._queue] if rt.tracer is not None else [],
+        "profiler": [e[:5] for e in rt.profiler._ring] if rt.profiler is not None else [],  # not the trace ids
+        "finished": [(site, start, end, error) for site, _, start, end, error in calls.finished],
+        "internal_errors": dict(health.internal_errors),
+    }
+    if rt.metrics is not None:
+        rt.metrics._records.clear()
+        for family in (rt.metrics.client_errors, rt.metrics.server_errors):
+            family.children.clear()
+    if rt.tracer is not None:
+        rt.tracer._queue.clear()
+    if rt.profiler is not None:
+        rt.profiler._ring.clear()
+    calls.finished.clear()
+    return effects
+
+
+def _started_call(rt: runtime.Runtime, site: ClientSite, monkeypatch: pytest.MonkeyPatch) -> calls.Call:
+    monkeypatch.setattr(calls, "_time_ns", lambda: START_NS)
+    call = calls.Call(rt, site)
+    call.id = calls.next_id()
+    calls.in_flight[call.id] = call
+    if rt.metrics is not None:
+        rt.metrics._records.clear()  # the start is not the ending
+    return call
+
+
+RESULTS = {"value": lambda: {"a": 1}, "remote_error": lambda: RemoteException("boom", ValueError)}
+
+
+@pytest.mark.parametrize("callee_us", ["", "1234"], ids=["no_callee_time", "callee_time"])
+@pytest.mark.parametrize("result", RESULTS)
+def test_the_response_fast_path_ends_a_call_as_call_finish_does(
+        world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch, callee_us: str, result: str) -> None:
+    site = ClientSite(world, noop, "sync", "worker1")
+    obj = RESULTS[result]()
+    tensors = [torch.ones(4)]
+    monkeypatch.setattr(pickler, "_time_ns", lambda: END_NS)
+
+    inline = _started_call(world, site, monkeypatch)
+    data = b"RESULT." + trailer.response_trailer(str(inline.id), int(callee_us) if callee_us else -1)
+    assert pickler.wrap_deserialize(lambda self, d, t: obj)(None, data, tensors) is obj
+    assert inline.id not in calls.in_flight
+    fast = _effects(world)
+
+    reference = _started_call(world, site, monkeypatch)
+    _, fields = trailer.split(data)  # the reference parser, and the reference ending
+    assert fields is not None and int(fields[trailer.RESPONSE_CALL_ID]) == inline.id
+    callee_ns = int(fields[trailer.RESPONSE_CALLEE_US]) * 1000 if len(fields) > trailer.RESPONSE_CALLEE_US else -1
+    calls.in_flight.pop(reference.id)
+    reference.finish(END_NS, calls.remote_error(obj), callee_ns)
+    assert fast == _effects(world)
+
+    ended = [world.metrics is not None, world.tracer is not None, world.profiler is not None]
+    assert [bool(fast["records"]), bool(fast["spans"]), bool(fast["profiler"])] == ended  # each was seen
+    assert fast["finished"] == [(site, START_NS, END_NS, "ValueError" if result == "remote_error" else None)]
+    assert not fast["internal_errors"]
+
+
+def _udf(call_id: str, context: str) -> PythonUDF:
+    """A request as the pickler hands it to `_run_function`: the caller's trailer fields attached."""
+    udf = pickler._tuple_new(pickler._IncomingUDF, PythonUDF(noop, (), {}))
+    udf.rpc_observe_fields = trailer.request_trailer(trailer.request_head("worker1", "sync"), int(call_id),
+                                                     context)[:-trailer.OVERHEAD].decode().split(trailer.SEP)
+    udf.rpc_observe_start = 0.0
+    return udf
+
+
+@pytest.mark.parametrize("result", RESULTS)
+def test_the_plain_udf_ending_is_serving_finish(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch,
+                                                result: str) -> None:
+    obj = RESULTS[result]()
+    context = "traceparent=00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    clock = itertools.chain([START_NS], itertools.repeat(END_NS))
+    monkeypatch.setattr(server, "_time_ns", lambda: next(clock))
+    udf = _udf("7", context)
+    assert server.wrap_run_function(lambda python_udf: obj)(udf) is obj
+    calls.pending_replies.clear()  # the response's echo: not part of the ending
+    fast = _effects(world)
+
+    key = (noop, "worker1", "sync")
+    site = world.server_sites[key]
+    span = (world.tracer.start_server(site.span_name, site.attributes, udf.rpc_observe_fields[trailer.CONTEXT:],
+                                      START_NS) if world.tracer is not None else None)
+    tid = server._native_id() if world.profiler is not None else 0
+    server.Serving(world, site, START_NS, span, tid).finish(*(calls.remote_error(obj) or (None, None)))
+    assert fast == _effects(world)
+
+    ended = [world.metrics is not None, world.tracer is not None, world.profiler is not None]
+    assert [bool(fast["records"]), bool(fast["spans"]), bool(fast["profiler"])] == ended
+    assert bool(fast["errors"].get("torch_rpc_server_errors_total")) == (result == "remote_error" and ended[0])
+    assert not fast["internal_errors"]
+
+
+def test_fold_split_folds_the_duration_as_fold_finished() -> None:
+    """`fold_split` repeats `fold_finished` inline, then adds the split: the shared part agrees."""
+    def cells() -> ClientCells:
+        return ClientCells(*([0] * 21 for _ in range(7)), [None] * 20)
+
+    sampled = tracing.SpanRecord("f", tracing.CLIENT, 1, 2, 0, False, True, {}, START_NS)
+    for span in (None, sampled):
+        for seconds, callee in ((0.004, 0.001), (0.0, 0.0), (-1e-9, 0.0), (70.0, 69.0), (0.001, 0.002)):
+            finished, split = cells(), cells()
+            fold_finished((fold_finished, finished, seconds, span))
+            fold_split((fold_split, split, seconds, callee, span))
+            assert (split.duration, split.in_flight, split.exemplars) == (
+                finished.duration, finished.in_flight, finished.exemplars)
+            assert (split.exemplars.count(None) == 20) is (span is None)
+            assert sum(split.callee[:-1]) == sum(split.outside[:-1]) == 1
+            assert split.callee[-1] + split.outside[-1] == pytest.approx(max(seconds, callee))
