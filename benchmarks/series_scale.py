@@ -237,7 +237,7 @@ def in_process(peers: int, peer_histograms: bool, max_peers: int) -> dict[str, f
         response = metrics.message_cells("serialize", "response", method)
         for caller in range(1, peers + 1):
             metrics.record((fold_message, request, 120, 1, 4096, 4096, 2e-5, None, 0))
-            metrics.record((fold_served, metrics.server_cell(method, f"client{caller}"), 1e-3))
+            metrics.record((fold_served, metrics.server_cells(method, f"client{caller}"), 1e-3, None))
             metrics.record((fold_message, response, 120, 1, 4096, 4096, 2e-5, None, 0))
     text = generate_latest(registry)
     runs, start = 0, time.process_time()

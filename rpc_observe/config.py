@@ -14,7 +14,7 @@ from typing import Any
 
 _logger = logging.getLogger("rpc_observe")
 
-# Names of the variables, documented in the README.
+# Names of the variables, documented in docs/configuration.md.
 RPC_OBSERVE = "RPC_OBSERVE"
 RPC_OBSERVE_DIR = "RPC_OBSERVE_DIR"
 RPC_OBSERVE_RUN_ID = "RPC_OBSERVE_RUN_ID"

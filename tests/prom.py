@@ -71,6 +71,15 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]["result"]
 
+    def exemplars(self, promql: str, start: float, end: float) -> list[dict]:
+        """`/api/v1/query_exemplars`: [{"seriesLabels": {...}, "exemplars": [{"labels", "value", "timestamp"}]}]."""
+        url = f"http://127.0.0.1:{self.port}/api/v1/query_exemplars?" + urllib.parse.urlencode(
+            {"query": promql, "start": start, "end": end})
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.loads(response.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
     def value(self, promql: str) -> float | None:
         result = self.query(promql)
         return float(result[0]["value"][1]) if result else None

@@ -100,6 +100,8 @@ def test_latency_is_pushed_under_the_rpc_semantic_convention_names_with_the_scra
             assert by_method[method] == total(scraped[worker], f"{prom}_count", method=method) > 0, (worker, method)
     calls = expected["calls"]
     client = metrics_of(pushed["worker0"])["rpc.client.call.duration"]
+    exemplars = [e for p in client.histogram.data_points for e in p.exemplars]  # sampled calls: all, by default
+    assert exemplars and all(len(e.trace_id) == 16 and len(e.span_id) == 8 and e.as_double > 0 for e in exemplars)
     echo = sum(p.count for p in client.histogram.data_points if attrs(p)["rpc.method"] == "echo")
     assert echo == calls["threads"] * calls["per_thread"]
 

@@ -976,9 +976,7 @@ def test_substitute_variables_gives_plain_promql(dashboard):
 
 
 def test_stack_doc_names_what_the_stack_uses():
-    # docs/stack.md, or the README once that section has moved there.
-    doc_file = STACK_DOC if STACK_DOC.exists() else REPO / "README.md"
-    doc = doc_file.read_text(encoding="utf-8")
+    doc = STACK_DOC.read_text(encoding="utf-8")
     for needle in ("RPC_OBSERVE=1", "OTEL_TRACES_EXPORTER=otlp",
                    "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318", "RPC_OBSERVE_DIR",
                    "docker compose up", "http://localhost:3000", "http://localhost:9090",

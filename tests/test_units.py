@@ -53,7 +53,7 @@ def test_metric_families_are_cumulative_and_labelled():
     cells = metrics.client_cells("f", "sync", "w1")
     for seconds in (0.0007, 3.0):
         metrics.record((fold_started, cells))
-        metrics.record((fold_finished, cells, seconds))
+        metrics.record((fold_finished, cells, seconds, None))
     for name in ("g", "h"):
         metrics.client_cells(name, "sync", "w1")
     registry = CollectorRegistry()

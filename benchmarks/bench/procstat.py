@@ -33,10 +33,6 @@ def cpu_us(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_US
 
 
-def cpu_us_many(pids: list[int]) -> list[float]:
-    return [cpu_us(pid) for pid in pids]
-
-
 def thread_cpu(pid: int, first: str | None = None, last: str | None = None) -> dict[str, list[Any]]:
     """{tid: [comm, CPU us]} for every live thread of `pid` (tids as strings, as JSON keys are);
     thread `first` is read first, `last` last (the reading thread itself: so that its own reading

@@ -99,9 +99,9 @@ class Call:
             runtime.recorder.request_dump(TIMEOUT)  # written by the housekeeping thread, never here
         if site.record is not None:
             if callee_ns >= 0 and error is None:
-                site.record((fold_split, site.cells, (end_ns - self.start_ns) / 1e9, callee_ns / 1e9))
+                site.record((fold_split, site.cells, (end_ns - self.start_ns) / 1e9, callee_ns / 1e9, self.span))
             else:
-                site.record((fold_finished, site.cells, (end_ns - self.start_ns) / 1e9))
+                site.record((fold_finished, site.cells, (end_ns - self.start_ns) / 1e9, self.span))
             if error is not None:
                 runtime.metrics.count_error("client", site.method, site.dst, error[0])
         if self.span is not None:

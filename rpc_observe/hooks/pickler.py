@@ -225,9 +225,10 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                         _finished_append((site, call.id, call.start_ns, end_ns, None))
                         if record is not None:
                             if callee_ns >= 0:
-                                record((fold_split, site.cells, (end_ns - call.start_ns) / 1e9, callee_ns / 1e9))
+                                record((fold_split, site.cells, (end_ns - call.start_ns) / 1e9, callee_ns / 1e9,
+                                        call.span))
                             else:
-                                record((fold_finished, site.cells, (end_ns - call.start_ns) / 1e9))
+                                record((fold_finished, site.cells, (end_ns - call.start_ns) / 1e9, call.span))
                         span = call.span
                         if span is not None:
                             span.callee_ns = callee_ns

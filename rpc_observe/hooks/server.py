@@ -38,7 +38,7 @@ _PROXIES = PROXY_FUNCTIONS
 class ServerSite:
     """What every run of one function for one caller and mode shares: names, attributes, metric cells."""
 
-    __slots__ = ("key", "span_name", "method", "src", "attributes", "record", "duration", "response_cells",
+    __slots__ = ("key", "span_name", "method", "src", "attributes", "record", "cells", "response_cells",
                  "is_async", "replies", "replies_later")
 
     def __init__(self, runtime: Runtime, func: Any, src: str, mode: str, named: str | None = None) -> None:
@@ -54,7 +54,7 @@ class ServerSite:
         self.attributes = span_attributes(self.method, src, runtime.worker, mode, torch_key, is_internal(func))
         metrics = runtime.metrics
         self.record = metrics.record if metrics else None
-        self.duration = metrics.server_cell(self.method, src) if metrics else None
+        self.cells = metrics.server_cells(self.method, src) if metrics else None
         self.response_cells = metrics.message_cells("serialize", "response", self.method) if metrics else None
 
 
@@ -83,7 +83,7 @@ class Serving:
         end_ns = _time_ns()
         runtime, site = self.runtime, self.site
         if site.record is not None:
-            site.record((fold_served, site.duration, (end_ns - self.start_ns) / 1e9))
+            site.record((fold_served, site.cells, (end_ns - self.start_ns) / 1e9, self.span))
             if error_type is not None:
                 runtime.metrics.count_error("server", site.method, site.src, error_type)
         if self.span is not None:
@@ -162,7 +162,7 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
             else:  # Serving.finish, inline, for a plain successful run
                 end_ns = _time_ns()
                 if site.record is not None:
-                    site.record((fold_served, site.duration, (end_ns - start_ns) / 1e9))
+                    site.record((fold_served, site.cells, (end_ns - start_ns) / 1e9, span))
                 if span is not None:
                     tracer.end(span, end_ns)
             if site.replies:

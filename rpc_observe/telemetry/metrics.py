@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from . import health
@@ -79,6 +80,14 @@ class ClientCells(NamedTuple):
     received_bytes: Cell
     callee: Cell  # the callee's own time, as its response says
     outside: Cell  # the call's time minus the callee's: its pool's queue, (de)serialization, the wire
+    exemplars: list  # duration's exemplar per bucket: (span, seconds) of a sampled call, or None
+
+
+class ServerCells(NamedTuple):
+    """The metrics of one served call site (method, and src with RPC_OBSERVE_PEER_LABELS=histograms)."""
+
+    duration: Cell
+    exemplars: list  # as ClientCells.exemplars
 
 
 # The records the hot paths queue, built there as plain tuple displays: a NamedTuple
@@ -88,17 +97,27 @@ class ClientCells(NamedTuple):
 #    peer bytes cell or None, bytes on the wire): the cell is the destination's sent_bytes for
 #    a request the caller pickles, its received_bytes for a response it unpickles
 #   (fold_started, ClientCells)
-#   (fold_finished, ClientCells, seconds)
-#   (fold_split, ClientCells, seconds, the callee's seconds): a call whose response gave the callee's time
-#   (fold_served, duration cell, seconds)
+#   (fold_finished, ClientCells, seconds, span or None)
+#   (fold_split, ClientCells, seconds, the callee's seconds, span or None): a call whose response gave the
+#    callee's time
+#   (fold_served, ServerCells, seconds, span or None)
+# A sampled span becomes its bucket's exemplar: the fold keeps a reference, the scrape formats it.
 
 
 class _Family:
     """One metric: its label names and, per label values, a cell (counter/gauge) or histogram."""
 
-    def __init__(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...] | None = None):
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...] | None = None,
+                 exemplars: bool = False):
         self.name, self.doc, self.labels, self.buckets = name, doc, labels, buckets
         self.children: dict[tuple[str, ...], list] = {}
+        # Per label values, a bucket's last exemplar: (span record, seconds) or None; latency histograms only.
+        self.exemplars: dict[tuple[str, ...], list] | None = {} if exemplars else None
+
+    def exemplars_of(self, values: tuple[str, ...]) -> list:
+        """The exemplar slots of `values` (one per bucket, +Inf included); call with the child made."""
+        assert self.exemplars is not None and self.buckets is not None
+        return self.exemplars.setdefault(values, [None] * (len(self.buckets) + 1))
 
     def child(self, values: tuple[str, ...]) -> Cell:
         """The cell for `values`: [value] for counters and gauges; [counts..., sum] for histograms."""
@@ -145,20 +164,26 @@ def fold_started(r: tuple) -> None:
 
 
 def fold_finished(r: tuple) -> None:
-    _, cells, seconds = r
+    _, cells, seconds, span = r
     cell = cells.duration
-    cell[_bisect(LATENCY_BUCKETS, seconds)] += 1
+    bucket = _bisect(LATENCY_BUCKETS, seconds)
+    cell[bucket] += 1
     cell[-1] += seconds if seconds > 0 else 0.0
     cells.in_flight[0] -= 1
+    if span is not None and span.sampled:
+        cells.exemplars[bucket] = (span, seconds)
 
 
 def fold_split(r: tuple) -> None:
     """fold_finished, and the call's time split into the callee's own and the rest (client = callee + outside)."""
-    _, cells, seconds, callee = r
+    _, cells, seconds, callee, span = r
     cell = cells.duration
-    cell[_bisect(LATENCY_BUCKETS, seconds)] += 1
+    bucket = _bisect(LATENCY_BUCKETS, seconds)
+    cell[bucket] += 1
     cell[-1] += seconds if seconds > 0 else 0.0
     cells.in_flight[0] -= 1
+    if span is not None and span.sampled:
+        cells.exemplars[bucket] = (span, seconds)
     cell = cells.callee
     cell[_bisect(LATENCY_BUCKETS, callee)] += 1
     cell[-1] += callee
@@ -169,9 +194,19 @@ def fold_split(r: tuple) -> None:
 
 
 def fold_served(r: tuple) -> None:
-    _, cell, seconds = r
-    cell[_bisect(LATENCY_BUCKETS, seconds)] += 1
+    _, cells, seconds, span = r
+    cell = cells.duration
+    bucket = _bisect(LATENCY_BUCKETS, seconds)
+    cell[bucket] += 1
     cell[-1] += seconds if seconds > 0 else 0.0
+    if span is not None and span.sampled:
+        cells.exemplars[bucket] = (span, seconds)
+
+
+def _exemplar(span: Any, seconds: float) -> Exemplar:
+    """OpenMetrics exemplar of a sampled call: its trace and span ids (shown only to an OpenMetrics scrape)."""
+    return Exemplar({"trace_id": format(span.trace_id, "032x"), "span_id": format(span.span_id, "016x")},
+                    seconds, span.end_ns / 1e9 if span.end_ns else None)
 
 
 class Metrics(Collector):
@@ -223,6 +258,7 @@ class Metrics(Collector):
             "Client RPC duration until its future completes.",
             w + ("method", "mode") + dst,
             LATENCY_BUCKETS,
+            exemplars=True,
         )
         self.client_callee = _Family(
             "torch_rpc_client_callee_seconds",
@@ -264,6 +300,7 @@ class Metrics(Collector):
             "Server-side run time of Python UDFs.",
             w + ("method",) + src,
             LATENCY_BUCKETS,
+            exemplars=True,
         )
         self.server_errors = _Family(
             "torch_rpc_server_errors_total",
@@ -331,13 +368,14 @@ class Metrics(Collector):
                 self.client_received_bytes.child((self.worker, dst)),
                 self.client_callee.child(latency),
                 self.client_outside.child(latency),
+                self.client_duration.exemplars_of(latency),
             )
 
-    def server_cell(self, method: str, src: str) -> Cell:
+    def server_cells(self, method: str, src: str) -> ServerCells:
         method = self.cap("method", method)
         values = (self.worker, method, self.cap("peer", src)) if self.peer_histograms else (self.worker, method)
         with self.lock:
-            return self.server_duration.child(values)
+            return ServerCells(self.server_duration.child(values), self.server_duration.exemplars_of(values))
 
     def count_error(self, side: str, method: str, peer: str, exception: str) -> None:
         method, exception = self.cap("method", method), self.cap("exception", exception)
@@ -361,17 +399,23 @@ class Metrics(Collector):
         self.drain()
         with self.lock:
             snapshot = [
-                (f, [(k, list(v)) for k, v in f.children.items()])
+                (f, [(k, list(v), list(f.exemplars.get(k, ())) if f.exemplars is not None else ())
+                     for k, v in f.children.items()])
                 for f in self._histograms + self._counters + (self.client_in_flight,)
             ]
         for family, children in snapshot:
             if family.buckets is not None:
                 histogram = HistogramMetricFamily(family.name, family.doc, labels=family.labels)
-                for values, cell in children:
-                    cumulative, buckets = 0, []
-                    for bound, count in zip(family.buckets + (float("inf"),), cell[:-1]):
+                for values, cell, exemplars in children:
+                    cumulative = 0
+                    buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
+                    for i, (bound, count) in enumerate(zip(family.buckets + (float("inf"),), cell[:-1])):
                         cumulative += count
-                        buckets.append((_le(bound), cumulative))
+                        exemplar = exemplars[i] if exemplars else None
+                        if exemplar is None:
+                            buckets.append((_le(bound), cumulative))
+                        else:
+                            buckets.append((_le(bound), cumulative, _exemplar(*exemplar)))
                     histogram.add_metric(values, buckets, cell[-1])
                 yield histogram
                 continue
@@ -380,7 +424,7 @@ class Metrics(Collector):
                 metric = CounterMetricFamily(family.name.removesuffix("_total"), family.doc, labels=family.labels)
             else:
                 metric = GaugeMetricFamily(family.name, family.doc, labels=family.labels)
-            for values, cell in children:
+            for values, cell, _ in children:
                 metric.add_metric(values, cell[0])
             yield metric
         yield from self._collect_health()

@@ -1,4 +1,4 @@
-"""The import directions the README's Architecture section promises, read from the source.
+"""The import directions docs/architecture.md promises, read from the source.
 
 hooks -> telemetry, never back; telemetry imports no torch; merge and doctor import only the
 standard library (and themselves); report imports only the standard library, merge and doctor;

@@ -107,7 +107,7 @@ def test_client_call_records(registry: CollectorRegistry, metrics: Metrics) -> N
     assert value(samples, "torch_rpc_client_requests_total", worker=W, method="f", mode="sync", dst="worker1") == 3
     assert value(samples, "torch_rpc_client_in_flight", worker=W, dst="worker1") == 3
     for seconds in (0.0007, 0.001, 100.0):  # as Call.finish; 0.001 is a bound: `le` includes it
-        metrics.record((fold_finished, cells, seconds))
+        metrics.record((fold_finished, cells, seconds, None))
     samples = scrape(registry)
     hist = "torch_rpc_client_duration_seconds"
     labels = {"worker": W, "method": "f", "mode": "sync"}  # no peer on a histogram, by default
@@ -155,9 +155,9 @@ def test_message_records(registry: CollectorRegistry, metrics: Metrics) -> None:
 
 
 def test_served_records_and_errors(registry: CollectorRegistry, metrics: Metrics) -> None:
-    cell = metrics.server_cell("f", "worker1")
+    cell = metrics.server_cells("f", "worker1")
     for seconds in (0.02, 0.025, 0.03, -1e-6):  # as Serving.finish; a negative clock step counts, adds nothing
-        metrics.record((fold_served, cell, seconds))
+        metrics.record((fold_served, cell, seconds, None))
     metrics.count_error("server", "f", "worker1", "ValueError")
     for _ in range(2):
         metrics.count_error("client", "f", "worker2", "timeout")
@@ -201,9 +201,9 @@ def test_buckets_match_prometheus_clients_own_histogram() -> None:
                        buckets=LATENCY_BUCKETS, registry=theirs).labels(W, "f")
     sizes = Histogram("torch_rpc_serialized_bytes", "doc", ["worker", "direction", "message", "method"],
                       buckets=SIZE_BUCKETS, registry=theirs).labels(W, "serialize", "request", "f")
-    cell, cells = m.server_cell("f", "w1"), m.message_cells("serialize", "request", "f")
+    cell, cells = m.server_cells("f", "w1"), m.message_cells("serialize", "request", "f")
     for seconds in (0.0007, 0.001, 0.0010001, 3.0, 100.0):
-        m.record((fold_served, cell, seconds))
+        m.record((fold_served, cell, seconds, None))
         served.observe(seconds)
     for size in (0, 64, 65, 1 << 20, 1 << 40):
         m.record((fold_message, cells, size, 0, 0, 0, 0.0, None, 0))
@@ -224,7 +224,7 @@ def test_names_are_capped_with_overflow_to_other(registry: CollectorRegistry) ->
     for cells in sites:
         metrics.record((fold_started, cells))
     assert sites[3].requests is sites[4].requests  # ("other", "other"): one child
-    metrics.server_cell("k", "w1")  # methods are one kind across client, server and messages
+    metrics.server_cells("k", "w1")  # methods are one kind across client, server and messages
     for exception in ("A", "B", "C", "D", "E"):
         metrics.count_error("client", "f", "w1", exception)
     samples = scrape(registry)
@@ -256,8 +256,8 @@ def test_peer_labels_histograms_puts_peers_on_the_latency_histograms(registry: C
     metrics = Metrics(W, 10, peer_histograms=True)
     registry.register(metrics)
     cells = metrics.client_cells("f", "sync", "worker1")
-    metrics.record((fold_finished, cells, 0.01))
-    metrics.record((fold_served, metrics.server_cell("g", "worker2"), 0.01))
+    metrics.record((fold_finished, cells, 0.01, None))
+    metrics.record((fold_served, metrics.server_cells("g", "worker2"), 0.01, None))
     metrics.count_error("server", "g", "worker2", "ValueError")
     samples = scrape(registry)
     assert value(samples, "torch_rpc_client_duration_seconds_count", method="f", mode="sync", dst="worker1") == 1
@@ -276,7 +276,7 @@ def _served_by(n_callers: int, methods: int = 5, peer_histograms: bool = False) 
         response = m.message_cells("serialize", "response", f"m{k}")
         for caller in range(n_callers):
             m.record((fold_message, request, 100, 1, 16, 16, 1e-5, None, 0))
-            m.record((fold_served, m.server_cell(f"m{k}", f"worker{caller + 1}"), 1e-3))
+            m.record((fold_served, m.server_cells(f"m{k}", f"worker{caller + 1}"), 1e-3, None))
             m.record((fold_message, response, 100, 1, 16, 16, 1e-5, None, 0))
     text = generate_latest(registry).decode()
     return len(parse(text)[1]), len(text)
@@ -298,7 +298,7 @@ def test_a_callers_per_peer_series_are_capped() -> None:
     for peer in range(1024):
         cells = m.client_cells("f", "sync", f"worker{peer}")
         m.record((fold_started, cells))
-        m.record((fold_finished, cells, 1e-3))
+        m.record((fold_finished, cells, 1e-3, None))
     samples = scrape(registry)
     for name in ("torch_rpc_client_requests_total", "torch_rpc_client_in_flight", "torch_rpc_client_sent_bytes_total",
                  "torch_rpc_client_received_bytes_total"):
@@ -316,7 +316,7 @@ def test_drain_limit_reports_whether_records_are_left(metrics: Metrics) -> None:
     assert metrics.drain(2) is False and cells.requests == [5]
     assert metrics.drain(2) is False and metrics.drain() is False and cells.requests == [5]
     for _ in range(3):
-        metrics.record((fold_finished, cells, 0.1))
+        metrics.record((fold_finished, cells, 0.1, None))
     assert metrics.drain() is False and cells.in_flight == [2] and sum(cells.duration[:-1]) == 3
 
 
@@ -457,7 +457,7 @@ def test_serve_on_a_free_port_and_scrape_over_http(registry: CollectorRegistry, 
     assert port > 0 and server.server_address == ("127.0.0.1", port)
     cells = metrics.client_cells("f", "sync", "worker1")
     metrics.record((fold_started, cells))
-    metrics.record((fold_finished, cells, 0.003))
+    metrics.record((fold_finished, cells, 0.003, None))
     status, content_type, body = get(port)
     assert status == 200 and content_type.startswith("text/plain")
     samples = parse(body)[1]
@@ -559,3 +559,33 @@ def test_write_target_brackets_ipv6_addresses(tmp_path: Path, addr: str) -> None
 def test_write_target_names_the_advertised_address(tmp_path: Path) -> None:
     path = exposition.write_target(str(tmp_path), "worker3", "0.0.0.0", 9101, "run-42", advertise="node7.cluster")
     assert json.loads(Path(path).read_text())[0]["targets"] == ["node7.cluster:9101"]
+
+
+def test_latency_buckets_carry_the_last_sampled_calls_exemplar_in_openmetrics_only(
+        registry: CollectorRegistry, metrics: Metrics) -> None:
+    from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+    from rpc_observe.telemetry.tracing import CLIENT, SERVER, SpanRecord
+
+    def span(kind: int, trace_id: int, span_id: int, sampled: bool) -> SpanRecord:
+        record = SpanRecord("f", kind, trace_id, span_id, 0, False, sampled, {}, 1_000_000_000)
+        record.end_ns = 3_000_000_000
+        return record
+
+    cells, served = metrics.client_cells("f", "sync", "worker1"), metrics.server_cells("f", "worker1")
+    metrics.record((fold_finished, cells, 0.003, span(CLIENT, 0xA1, 0xB1, True)))
+    metrics.record((fold_finished, cells, 0.004, span(CLIENT, 0xA2, 0xB2, True)))  # same bucket: the last one
+    metrics.record((fold_finished, cells, 0.2, span(CLIENT, 0xA3, 0xB3, False)))  # not sampled: no exemplar
+    metrics.record((fold_finished, cells, 0.3, None))  # no tracer
+    metrics.record((fold_served, served, 0.002, span(SERVER, 0xC1, 0xD1, True)))
+    text = generate_openmetrics(registry).decode()
+    found = {(s.name, s.labels["le"]): (s.exemplar.labels, s.exemplar.value, float(s.exemplar.timestamp))
+             for f in parse_openmetrics(text) for s in f.samples if s.exemplar is not None}
+    assert found == {
+        ("torch_rpc_client_duration_seconds_bucket", "0.005"): (
+            {"trace_id": f"{0xA2:032x}", "span_id": f"{0xB2:016x}"}, 0.004, 3.0),
+        ("torch_rpc_server_duration_seconds_bucket", "0.0025"): (
+            {"trace_id": f"{0xC1:032x}", "span_id": f"{0xD1:016x}"}, 0.002, 3.0),
+    }
+    assert "trace_id" not in generate_latest(registry).decode()  # the plain text format is unchanged
