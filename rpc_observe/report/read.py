@@ -72,18 +72,15 @@ def _keyed_lines(index: int, si: SpanInput) -> Iterator[tuple[int, int, int, Pat
 def read_run(run: RunFiles, stats: RunStats) -> list[SpanInput]:
     """First pass: every span of the run into ``stats``; returns the streams that gave spans."""
     reader = SpanReader(stats.add_many, run.run_id)
-    if len(run.streams) == 1 and run.streams[0].doc is not None:
-        reader.read(run.streams[0])
-    else:
-        lines = heapq.merge(*(_keyed_lines(i, si) for i, si in enumerate(run.streams) if si.doc is None))
-        for start_ns, index, n, path, raw in lines:
-            si = run.streams[index]
-            where = f"{path.name} line {n}" if len(si.paths) > 1 else f"line {n}"
-            reader.read_line(si, raw, path, where)
-            stats.advance(start_ns)
-        for si in run.streams:
-            if si.doc is not None:
-                reader.read(si)
+    lines = heapq.merge(*(_keyed_lines(i, si) for i, si in enumerate(run.streams) if si.doc is None))
+    for start_ns, index, n, path, raw in lines:
+        si = run.streams[index]
+        where = f"{path.name} line {n}" if len(si.paths) > 1 else f"line {n}"
+        reader.read_line(si, raw, path, where)
+        stats.advance(start_ns)
+    for si in run.streams:
+        if si.doc is not None:  # a whole-document span file
+            reader.read(si)
     stats.finish()
     return [si for si in run.streams if judge_stream(si, run.run_id, run.skipped)]
 

@@ -218,3 +218,48 @@ def test_flight_recorder_dumps_under_debug_are_read_by_the_doctor(tmp_path: Path
     found = report.make_report([str(tmp_path)])["doctor"]
     assert found["dumps"] == 3 and found["status"] == 1
     assert found["headline"].startswith("DEADLOCK") and "worker1" in found["text"]
+
+
+def test_a_run_past_every_limit_gives_a_page_within_the_stated_bound(tmp_path: Path) -> None:
+    """60 methods of long names, 50 workers, 10 minutes, and 12 slow traces of 35 nested calls each:
+    every table at its limit; the page stays under PAGE_BOUND_BYTES (the bound __init__ states)."""
+    exporters = pytest.importorskip("rpc_observe.telemetry.exporters")
+    from rpc_observe.telemetry.tracing import SpanRecord
+
+    rng = random.Random(5)
+    workers = [f"worker-with-a-long-name-{i}" for i in range(50)]
+    records: dict[str, list] = {w: [] for w in workers}
+
+    def rpc(trace: int, parent: int, src: str, dst: str, method: str, start: int, end: int) -> int:
+        attrs = {"rpc.method": method, "torch.rpc.src": src, "torch.rpc.dst": dst}
+        cid, sid = rng.getrandbits(64), rng.getrandbits(64)
+        client = SpanRecord(method, KIND_CLIENT, trace, cid, parent, bool(parent), True, attrs, start)
+        client.end_ns = end
+        server = SpanRecord(method, KIND_SERVER, trace, sid, cid, True, True, attrs, start + 1000)
+        server.end_ns = end - 1000
+        records[src].append(client)
+        records[dst].append(server)
+        return sid
+
+    for i in range(6000):
+        start = T0 + i * 100_000_000
+        src, dst = rng.sample(workers, 2)
+        rpc(rng.getrandbits(128), 0, src, dst, f"module.submodule.Class.method_number_{i % 60:02d}", start,
+            start + rng.randrange(10**5, 10**8))
+    for k in range(aggregate.SLOWEST):
+        trace, parent, start = rng.getrandbits(128), 0, T0 + k * 10**10
+        for depth in range(35):
+            src, dst = workers[depth % 50], workers[(depth + 1) % 50]
+            parent = rpc(trace, parent, src, dst, "nested_call", start + depth * 10**4, start + 10**11 - depth * 10**4)
+    (tmp_path / "spans").mkdir()
+    for i, w in enumerate(workers):
+        sink = exporters.OtlpJsonFileSink(str(tmp_path / "spans" / f"{w}-{i}.jsonl"), {
+            "torch.rpc.worker": w, "process.pid": i, "rpc_observe.run_id": "big"})
+        sink.export(records[w])
+        sink.shutdown()
+    data = report.make_report([str(tmp_path)])
+    assert len(data["methods"]) == aggregate.MAX_METHODS + 1 and len(data["workers"]) == aggregate.MAX_WORKERS + 1
+    assert len(data["timeline"]["t_s"]) <= series.TIME_BINS
+    assert [len(c["rows"]) for c in data["slowest"]] == [60] * aggregate.SLOWEST
+    size = len(render(data).encode())
+    assert size < report.PAGE_BOUND_BYTES, size

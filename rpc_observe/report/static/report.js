@@ -173,10 +173,11 @@
 
   // Files
   const files = section("files", "Files", "What rpc-observe merge would make of the span files.");
-  files.append(el("p", {}, `${data.files.span_files.length} span file(s) read: `),
+  files.append(el("p", {}, `${fmt(data.files.span_file_count, 0)} span file(s) read`
+    + (data.files.span_file_count > data.files.span_files.length ? `, the first ${data.files.span_files.length}:` : ":")),
     el("ul", {}, ...data.files.span_files.map((f) => el("li", {}, el("code", {}, f)))));
   if (data.files.skipped.length) {
-    files.append(el("h3", {}, "Left out or cut"), table(["file", "why"],
+    files.append(el("h3", {}, `Left out or cut (${fmt(data.files.skipped_count, 0)})`), table(["file", "why"],
       data.files.skipped.map((s) => [el("code", {}, s.file), s.reason]), {id: "skipped-table"}));
   } else {
     files.append(el("p", {}, "No file was left out, foreign, unreadable or cut."));
