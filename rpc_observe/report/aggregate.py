@@ -6,7 +6,8 @@ the run's size.
   split client = server + outside;
 - per caller -> callee pair (at most ``MAX_WORKERS`` workers, the rest as ``(other)``): calls, errors;
 - per worker, the time bins of :mod:`.series`;
-- the ``SLOWEST`` slowest client calls (a heap), whose traces a second pass reads whole;
+- the ``SLOWEST`` slowest client calls, at most ``SLOWEST_PER_METHOD`` of a method (a heap per
+  method), whose traces a second pass reads whole;
 - per ordered worker pair, the bounds each paired call puts on the clock offset (as
   :mod:`rpc_observe.merge.clock` takes them).
 
@@ -29,6 +30,7 @@ from .series import Latency, TimeBins
 MAX_METHODS = 40
 MAX_WORKERS = 32
 SLOWEST = 12
+SLOWEST_PER_METHOD = 3  # so that one slow method does not hide the others' slowest calls
 OTHER = "(other)"
 PAIR_HORIZON_NS = 60 * 10**9
 _ERROR = 2  # OTLP status code
@@ -45,6 +47,7 @@ class MethodStats:
     paired: int = 0
     paired_client_ns: int = 0
     paired_server_ns: int = 0
+    slowest: list[tuple[int, str, str]] = field(default_factory=list)  # min-heap of (duration, trace id, span id)
 
 
 @dataclass
@@ -72,7 +75,6 @@ class RunStats:
         self.workers: dict[str, int] = {}  # worker -> spans
         self.bins: TimeBins | None = None
         self.clock: dict[tuple[str, str], ClockBounds] = {}
-        self.slowest: list[tuple[int, str, str]] = []  # min-heap of (duration, trace id, span id)
         self.front_ns = 0
         self.unpaired = 0
         self._clients: OrderedDict[str, Span] = OrderedDict()  # span id -> client waiting for its server
@@ -119,10 +121,10 @@ class RunStats:
                 self.bins = TimeBins(sp.start_ns)
             self.bins.add(worker, sp.start_ns, sp.end_ns, failed)
             entry = (duration, sp.trace_id, sp.span_id)
-            if len(self.slowest) < 3 * SLOWEST:  # room for calls of one trace that crowd the top
-                heapq.heappush(self.slowest, entry)
-            elif entry > self.slowest[0]:
-                heapq.heapreplace(self.slowest, entry)
+            if len(stats.slowest) < 2 * SLOWEST_PER_METHOD:  # room for calls of one trace that crowd the top
+                heapq.heappush(stats.slowest, entry)
+            elif entry > stats.slowest[0]:
+                heapq.heapreplace(stats.slowest, entry)
             server = self._servers.pop(sp.span_id, None)
             if server is None:
                 self._clients[sp.span_id] = sp
@@ -171,14 +173,23 @@ class RunStats:
         self._servers.clear()
 
     def slowest_calls(self) -> list[tuple[int, str, str]]:
-        """The ``SLOWEST`` slowest client calls, one per trace, slowest first."""
+        """The ``SLOWEST`` slowest client calls, one per trace, slowest first: at most
+        ``SLOWEST_PER_METHOD`` of a method, unless fewer methods leave room."""
         seen: set[str] = set()
-        out = []
-        for entry in sorted(self.slowest, reverse=True):
-            if entry[1] not in seen:
+        picked, rest = [], []
+        for m in self.methods.values():
+            kept = 0
+            for entry in sorted(m.slowest, reverse=True):
+                if entry[1] in seen:
+                    continue
                 seen.add(entry[1])
-                out.append(entry)
-        return out[:SLOWEST]
+                if kept < SLOWEST_PER_METHOD:
+                    picked.append(entry)
+                    kept += 1
+                else:
+                    rest.append(entry)
+        picked = sorted(picked, reverse=True)[:SLOWEST]
+        return sorted(picked + sorted(rest, reverse=True)[:SLOWEST - len(picked)], reverse=True)
 
     def clock_pairs(self) -> list[tuple[Any, ...]]:
         """One constraint tuple per ordered worker pair, in :func:`rpc_observe.merge.clock.estimate_offsets`'

@@ -241,16 +241,17 @@ def test_a_run_past_every_limit_gives_a_page_within_the_stated_bound(tmp_path: P
         records[dst].append(server)
         return sid
 
+    for k in range(aggregate.SLOWEST):  # first in time: their methods are among the 40 kept
+        trace, parent, start = rng.getrandbits(128), 0, T0 + k * 10**9
+        for depth in range(35):
+            src, dst = workers[depth % 50], workers[(depth + 1) % 50]
+            parent = rpc(trace, parent, src, dst, f"nested_call_{k}", start + depth * 10**4,
+                         start + 10**11 - depth * 10**4)
     for i in range(6000):
-        start = T0 + i * 100_000_000
+        start = T0 + 10**11 + i * 100_000_000
         src, dst = rng.sample(workers, 2)
         rpc(rng.getrandbits(128), 0, src, dst, f"module.submodule.Class.method_number_{i % 60:02d}", start,
             start + rng.randrange(10**5, 10**8))
-    for k in range(aggregate.SLOWEST):
-        trace, parent, start = rng.getrandbits(128), 0, T0 + k * 10**10
-        for depth in range(35):
-            src, dst = workers[depth % 50], workers[(depth + 1) % 50]
-            parent = rpc(trace, parent, src, dst, "nested_call", start + depth * 10**4, start + 10**11 - depth * 10**4)
     (tmp_path / "spans").mkdir()
     for i, w in enumerate(workers):
         sink = exporters.OtlpJsonFileSink(str(tmp_path / "spans" / f"{w}-{i}.jsonl"), {
@@ -263,3 +264,15 @@ def test_a_run_past_every_limit_gives_a_page_within_the_stated_bound(tmp_path: P
     assert [len(c["rows"]) for c in data["slowest"]] == [60] * aggregate.SLOWEST
     size = len(render(data).encode())
     assert size < report.PAGE_BOUND_BYTES, size
+
+
+def test_one_slow_method_does_not_hide_the_others_slowest_calls() -> None:
+    stats = aggregate.RunStats()
+    calls = [("slow", 100 + i) for i in range(50)] + [(f"other{i}", 50) for i in range(5)]
+    for n, (method, ms) in enumerate(calls):
+        attrs = {"rpc.method": method, "torch.rpc.dst": "b"}
+        stats.add(Span(f"{n:032x}", f"{n:016x}", "", method, KIND_CLIENT, T0, T0 + ms * 10**6, "a", attrs))
+    picked = [(d // 10**6, int(t, 16)) for d, t, _ in stats.slowest_calls()]
+    # Slowest first; "slow" gets its 3 and the room the others leave (its heap holds 6), each
+    # other method its slowest call.
+    assert picked == [(149 - i, 49 - i) for i in range(6)] + [(50, n) for n in range(54, 49, -1)]
