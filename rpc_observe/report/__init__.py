@@ -113,13 +113,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     out = Path(args.output)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render(data), encoding="utf-8")
-    os.replace(tmp, out)
+    in_place = out.exists() and not out.is_file()  # a device or pipe (/dev/null) is written as it is
+    tmp = out if in_place else out.with_name(out.name + ".tmp")
+    try:
+        tmp.write_text(render(data), encoding="utf-8")
+        if not in_place:
+            os.replace(tmp, out)
+    except OSError as e:
+        print(f"{PROG}: cannot write {out}: {e.strerror or e}; -o takes a file in a directory that exists",
+              file=sys.stderr)
+        return 2
     for s in data["files"]["skipped"]:
         print(f"{PROG}: left out {s['file']}: {s['reason']}", file=sys.stderr)
     if not args.quiet:
-        print(f"{PROG}: wrote {out} ({out.stat().st_size / 1e3:.0f} kB): {data['spans']:,} spans of "
+        print(f"{PROG}: wrote {out}: {data['spans']:,} spans of "
               f"{len(data['workers'])} worker(s), {len(data['methods'])} method(s), in {data['elapsed_s']:.1f} s",
               file=sys.stderr)
     return 0

@@ -4,6 +4,7 @@ the client = server + outside split, clock offsets, waterfalls, bounded tables, 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -276,3 +277,11 @@ def test_one_slow_method_does_not_hide_the_others_slowest_calls() -> None:
     # Slowest first; "slow" gets its 3 and the room the others leave (its heap holds 6), each
     # other method its slowest call.
     assert picked == [(149 - i, 49 - i) for i in range(6)] + [(50, n) for n in range(54, 49, -1)]
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    _write_run(tmp_path / "spans", calls=20)
+    assert report.main([str(tmp_path), "-o", str(tmp_path / "no" / "such" / "dir.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write" in err and "No such file or directory" in err
+    assert report.main([str(tmp_path), "-o", os.devnull, "-q"]) == 0  # a device is written as it is
