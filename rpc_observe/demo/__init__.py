@@ -3,7 +3,8 @@
 It starts the workers with only environment variables (RPC_OBSERVE=1,
 RPC_OBSERVE_PROFILE=1), shows their metrics endpoints and a progress bar, then prints a
 per-method summary, a traffic matrix, and where the spans, the per-worker profiler
-traces and the merged timeline are, with how to open each.
+traces, the merged timeline and the HTML report are, with how to open each.  The progress
+bar is drawn only on a terminal: a log gets no carriage-return frames.
 """
 
 from __future__ import annotations
@@ -66,13 +67,26 @@ def _calls(targets: dict[str, str]) -> float:
 
 def _bar(fraction: float, calls: float, width: int = 30) -> str:
     filled = int(width * min(max(fraction, 0.0), 1.0))
-    return f"\r[{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%}  {calls:8.0f} RPCs"
+    return f"[{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%}  {calls:8.0f} RPCs"
+
+
+def _save_scrapes(out_dir: str, targets: dict[str, str]) -> list[report.Sample]:
+    """Every worker's /metrics, parsed, and saved as metrics/<worker>.prom for `rpc-observe report`
+    (span files do not carry the bytes and tensors per message)."""
+    os.makedirs(os.path.join(out_dir, "metrics"), exist_ok=True)
+    samples: list[report.Sample] = []
+    for worker, target in sorted(targets.items()):
+        text = report.fetch(target)
+        with open(os.path.join(out_dir, "metrics", f"{worker}.prom"), "w") as f:
+            f.write(text)
+        samples.extend(report.parse(text))
+    return samples
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     out_dir = os.path.abspath(args.out)
-    for sub in ("spans", "targets", "profiler"):
+    for sub in ("spans", "targets", "profiler", "metrics"):
         shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)
     control = tempfile.mkdtemp(prefix="rpc_observe_demo_")
     open(os.path.join(control, "hold"), "w").close()
@@ -106,6 +120,7 @@ def _run(args: argparse.Namespace, out_dir: str, control: str, procs: list[subpr
     for worker, target in sorted(targets.items()):
         print(f"  {worker:<10} http://{target}/metrics")
     done = lambda: all(os.path.exists(os.path.join(control, f"done-{r}")) for r in range(1, args.workers))  # noqa: E731
+    on_terminal = sys.stdout.isatty()
     while not done():
         if stopping["now"]:
             open(os.path.join(control, "stop"), "w").close()
@@ -114,12 +129,12 @@ def _run(args: argparse.Namespace, out_dir: str, control: str, procs: list[subpr
         started = os.path.join(control, "started-1")
         elapsed = time.time() - os.path.getmtime(started) if os.path.exists(started) else 0.0
         fraction = 1.0 if args.serve else elapsed / args.duration
-        print(_bar(fraction, _calls(targets)), end="", flush=True)
+        if on_terminal:
+            print("\r" + _bar(fraction, _calls(targets)), end="", flush=True)
         time.sleep(0.5)
-    samples = []
-    for target in targets.values():
-        samples.extend(report.scrape(target))
-    print(_bar(1.0, sum(v for n, _, v in samples if n == "torch_rpc_client_requests_total")))
+    samples = _save_scrapes(out_dir, targets)
+    calls = sum(v for n, _, v in samples if n == "torch_rpc_client_requests_total")
+    print(("\r" if on_terminal else "") + _bar(1.0, calls))
     os.remove(os.path.join(control, "hold"))
     for proc in procs:
         if proc.wait(timeout=120) != 0:
@@ -133,20 +148,24 @@ def _run(args: argparse.Namespace, out_dir: str, control: str, procs: list[subpr
 
 def _artifacts(out_dir: str) -> int:
     from .. import merge
+    from .. import report as html_report
 
     merged = os.path.join(out_dir, "merged.json")
     status = merge.main([os.path.join(out_dir, "spans"), os.path.join(out_dir, "profiler"), "-o", merged, "-q"])
+    page = os.path.join(out_dir, "report.html")
+    report_status = html_report.main([out_dir, "-o", page, "-q"])
     print("\nartifacts:")
     print(f"  spans (OTLP JSON, one file per worker): {os.path.join(out_dir, 'spans')}")
     print(f"  torch.profiler traces, per worker:      {os.path.join(out_dir, 'profiler')}")
     print(f"  merged timeline of all workers:         {merged}")
+    print(f"  report (one HTML page, opens offline):  {page}")
     print("\nopen them:")
     print("  Perfetto:  https://ui.perfetto.dev -> Open trace file -> merged.json"
           " (arrows link each call to its execution)")
     print("  Jaeger:    docker compose up -d; OTEL_TRACES_EXPORTER=otlp rpc-observe demo; then http://localhost:16686")
     print("  Grafana:   docker compose up -d; rpc-observe demo --serve; then http://localhost:3000"
           " (dashboard 'rpc_observe')")
-    return 0 if status == 0 else status
+    return status or report_status
 
 
 def _failed(control: str, procs: list[subprocess.Popen], why: str) -> int:

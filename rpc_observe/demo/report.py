@@ -10,10 +10,18 @@ from collections.abc import Iterable
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def scrape(target: str) -> list[tuple[str, dict, float]]:
+def fetch(target: str) -> str:
+    """A worker's /metrics page, as Prometheus text."""
     with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as response:
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def parse(text: str) -> list[tuple[str, dict, float]]:
     return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def scrape(target: str) -> list[tuple[str, dict, float]]:
+    return parse(fetch(target))
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float:

@@ -165,24 +165,27 @@ def read_spans(span_inputs: list[SpanInput], traces: list[TraceInput], run_id: s
         starts += [t.base_ns + int((t.min_ts or 0) * 1000) for t in traces]
         run_start = min((s for s in starts if s is not None), default=None)
     sink = SpanSink(limits, run_start)
-    kept: list[SpanInput] = []
-    for si in read_streams(span_inputs, run_id, sink, jobs):
-        # run_ids counts the spans read per run id (None: spans without one, always merged)
-        others = {r: n for r, n in si.run_ids.items() if r not in (None, run_id)} if run_id else {}
-        mine = sum(si.run_ids.values()) - sum(others.values())
-        if not mine and others:
-            names = ", ".join(repr(r) for r in others)
-            skipped.append(Skipped(str(si.path), f"from another run (run_id {names}, merging {run_id!r})"))
-            continue
-        if not mine and si.problems:
-            skipped.append(Skipped(str(si.path), "; ".join(si.problems[:3])))
-            continue
-        if others:
-            skipped.append(Skipped(str(si.path), f"{sum(others.values())} span(s) from another run dropped"))
-        if si.problems:
-            skipped.append(Skipped(str(si.path), "partially read: " + "; ".join(si.problems[:3])))
-        kept.append(si)
+    kept = [si for si in read_streams(span_inputs, run_id, sink, jobs) if judge_stream(si, run_id, skipped)]
     return kept, sink
+
+
+def judge_stream(si: SpanInput, run_id: str | None, skipped: list[Skipped]) -> bool:
+    """Once ``si`` is read: whether it gave spans of the run; what it left out goes to ``skipped``."""
+    # run_ids counts the spans read per run id (None: spans without one, always merged)
+    others = {r: n for r, n in si.run_ids.items() if r not in (None, run_id)} if run_id else {}
+    mine = sum(si.run_ids.values()) - sum(others.values())
+    if not mine and others:
+        names = ", ".join(repr(r) for r in others)
+        skipped.append(Skipped(str(si.path), f"from another run (run_id {names}, merging {run_id!r})"))
+        return False
+    if not mine and si.problems:
+        skipped.append(Skipped(str(si.path), "; ".join(si.problems[:3])))
+        return False
+    if others:
+        skipped.append(Skipped(str(si.path), f"{sum(others.values())} span(s) from another run dropped"))
+    if si.problems:
+        skipped.append(Skipped(str(si.path), "partially read: " + "; ".join(si.problems[:3])))
+    return True
 
 
 def resolve_workers(traces: list[TraceInput], span_inputs: list[SpanInput], sink: SpanSink) -> RunInputs | None:

@@ -53,11 +53,13 @@ class SpanReader:
             n = 0
             try:
                 for n, raw in enumerate(iter_lines(path), 1):
-                    self._line(si, raw, path, f"{where} {n}")
+                    self.read_line(si, raw, path, f"{where} {n}")
             except BadInput as e:
                 si.problems.append(f"{where} {n + 1}: {e}")
 
-    def _line(self, si: SpanInput, raw: bytes, path: Path, where: str) -> None:
+    def read_line(self, si: SpanInput, raw: bytes, path: Path, where: str) -> None:
+        """Read one line of ``si``'s file ``path`` (``where`` names it in a problem); for a
+        reader that interleaves streams (``rpc-observe report``)."""
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:

@@ -1,7 +1,8 @@
 """The import directions docs/architecture.md promises, read from the source.
 
 hooks -> telemetry, never back; telemetry imports no torch; merge and doctor import only the
-standard library (and themselves); config imports only the standard library. Lazy imports
+standard library (and themselves); report imports only the standard library, merge and doctor;
+config imports only the standard library. Lazy imports
 inside functions count too.
 """
 
@@ -83,13 +84,21 @@ def test_doctor_imports_only_the_standard_library(path: Path) -> None:
     assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
+@pytest.mark.parametrize("path", _modules("report"), ids=lambda p: p.name)
+def test_report_imports_only_the_standard_library_merge_and_doctor(path: Path) -> None:
+    """The report reads a run on any machine, as merge does: no torch, OpenTelemetry or prometheus_client."""
+    bad = {m for m in _imports(path) if _top(m) not in STDLIB
+           and not _within(m, "rpc_observe.report", "rpc_observe.merge", "rpc_observe.doctor")}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
 def test_config_imports_only_the_standard_library() -> None:
     bad = {m for m in _imports(PACKAGE / "config.py") if _top(m) not in STDLIB}
     assert not bad
 
 
-def test_the_five_products_are_sub_packages() -> None:
-    for name in ("hooks", "telemetry", "merge", "doctor", "demo"):
+def test_the_six_products_are_sub_packages() -> None:
+    for name in ("hooks", "telemetry", "merge", "doctor", "report", "demo"):
         assert (PACKAGE / name / "__init__.py").is_file() and len(_modules(name)) >= 2, name
     flat = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert flat == ["__init__.py", "__main__.py", "_bootstrap.py", "_patching.py", "cli.py", "config.py",
