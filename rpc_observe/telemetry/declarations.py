@@ -40,6 +40,7 @@ class MetricDeclaration:
     buckets: tuple[float, ...] | None = None  # upper bounds, histograms only (+Inf implied)
     unit: str = ""  # the unit the name ends with (seconds, bytes), as OpenMetrics asks; "" for counts
     exemplars: bool = False  # a sampled call's trace and span ids per bucket (docs/exemplars.md)
+    otel_name: str = ""  # its OpenTelemetry semantic-convention name over OTLP (docs/otlp-metrics.md); "": none
 
     def label_names(self, peer_histograms: bool = False) -> tuple[str, ...]:
         """The family's label names: `worker`, then `labels` (the peer ones only with `peer_histograms`)."""
@@ -53,8 +54,8 @@ class MetricDeclaration:
 
 
 def _histogram(name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...], unit: str,
-               peer_labels: tuple[str, ...] = (), exemplars: bool = False) -> MetricDeclaration:
-    return MetricDeclaration(name, "histogram", help, labels, peer_labels, buckets, unit, exemplars)
+               peer_labels: tuple[str, ...] = (), exemplars: bool = False, otel_name: str = "") -> MetricDeclaration:
+    return MetricDeclaration(name, "histogram", help, labels, peer_labels, buckets, unit, exemplars, otel_name)
 
 
 _MESSAGE = ("direction", "message", "method")
@@ -72,7 +73,8 @@ CALL_METRICS = (
     _histogram("torch_rpc_serialization_seconds", "Time spent pickling or unpickling a message.", _MESSAGE,
                SERIALIZATION_BUCKETS, "seconds"),
     _histogram("torch_rpc_client_duration_seconds", "Client RPC duration until its future completes.",
-               _CLIENT_LATENCY, LATENCY_BUCKETS, "seconds", ("dst",), exemplars=True),
+               _CLIENT_LATENCY, LATENCY_BUCKETS, "seconds", ("dst",), exemplars=True,
+               otel_name="rpc.client.call.duration"),
     _histogram("torch_rpc_client_callee_seconds",
                "The callee's own time for a call, as its response says: from unpickling the request to pickling "
                "the response.", _CLIENT_LATENCY, LATENCY_BUCKETS, "seconds", ("dst",)),
@@ -81,7 +83,7 @@ CALL_METRICS = (
                "(de)serialization, the wire (client = callee + outside).", _CLIENT_LATENCY, LATENCY_BUCKETS,
                "seconds", ("dst",)),
     _histogram("torch_rpc_server_duration_seconds", "Server-side run time of Python UDFs.", ("method", "src"),
-               LATENCY_BUCKETS, "seconds", ("src",), exemplars=True),
+               LATENCY_BUCKETS, "seconds", ("src",), exemplars=True, otel_name="rpc.server.call.duration"),
     MetricDeclaration("torch_rpc_client_requests_total", "counter", "Client RPCs started.", ("method", "mode", "dst")),
     MetricDeclaration("torch_rpc_client_errors_total", "counter", "Client RPCs that failed, by exception.",
                       ("method", "dst", "exception")),

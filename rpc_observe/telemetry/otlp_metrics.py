@@ -30,15 +30,14 @@ from prometheus_client.metrics_core import Metric
 
 from ..config import Config
 from . import health
+from .declarations import METRICS
 
 _logger = logging.getLogger("rpc_observe")
 CUMULATIVE = pb.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 SCOPE = "rpc_observe"
-# Prometheus name -> (OpenTelemetry semantic-convention name, {label: attribute}); the rest keep their names.
-SEMCONV: dict[str, tuple[str, dict[str, str]]] = {
-    "torch_rpc_client_duration_seconds": ("rpc.client.call.duration", {"method": "rpc.method"}),
-    "torch_rpc_server_duration_seconds": ("rpc.server.call.duration", {"method": "rpc.method"}),
-}
+# Prometheus name -> OpenTelemetry semantic-convention name, as declared; the rest keep their names.
+SEMCONV: dict[str, str] = {m.name: m.otel_name for m in METRICS if m.otel_name}
+_SEMCONV_ATTRIBUTES = {"method": "rpc.method"}  # the labels of a semantic-convention metric that it renames
 _SYSTEM = KeyValue(key="rpc.system.name", value=AnyValue(string_value="torch_rpc"))
 _UNITS = (("_seconds", "s"), ("_bytes", "By"))
 
@@ -68,8 +67,8 @@ def encode(families: Iterable[Metric], resource: list[KeyValue], start_ns: int, 
     """The families of one collection as an ExportMetricsServiceRequest."""
     metrics: list[pb.Metric] = []
     for family in families:
-        otel_name, renamed = SEMCONV.get(family.name, (family.name, {}))  # a counter's family name has no _total
-        extra = [_SYSTEM] if family.name in SEMCONV else []
+        otel_name = SEMCONV.get(family.name, family.name)  # (a counter's family name has no _total)
+        renamed, extra = (_SEMCONV_ATTRIBUTES, [_SYSTEM]) if family.name in SEMCONV else ({}, [])
         metric = pb.Metric(name=otel_name, description=family.documentation, unit=_unit(family.name))
         if family.type == "histogram":
             points: dict[tuple, dict[str, Any]] = {}
