@@ -120,3 +120,58 @@ def test_request_trailer_packs_as_pack_does(head: str, call_id: int, context: st
     """`request_trailer` inlines `_pack`: the same bytes for the same text (cut to MAX_PAYLOAD alike)."""
     text = head + (str(call_id) if call_id else "") + (trailer.SEP + context if context else "")
     assert trailer.request_trailer(head, call_id, context) == trailer._pack(text)
+
+
+def _hostile_tails(seed: int, count: int) -> list[bytes]:
+    """Trailers as a broken or hostile peer could send them: valid ones with bytes flipped, cut, grown,
+    a lying length field, random payloads behind the magic, and random bytes with no magic at all."""
+    import random
+
+    rng = random.Random(seed)
+    valid = REQUESTS[:4] + [trailer.response_trailer("5"), trailer.response_trailer("5", 1234),
+                            trailer.response_trailer("1" * 20, 0)]
+    tails = []
+    for i in range(count):
+        base = bytearray(rng.choice(valid))
+        kind = i % 5
+        if kind == 0:  # flip up to 4 bytes anywhere
+            for _ in range(rng.randint(1, 4)):
+                base[rng.randrange(len(base))] = rng.randrange(256)
+        elif kind == 1:  # cut or grow the payload, keep the magic
+            base = bytearray(bytes(base[:rng.randrange(len(base))]) + trailer.MAGIC) if rng.random() < 0.5 else \
+                bytearray(rng.randbytes(rng.randint(1, 40))) + base
+        elif kind == 2:  # a lying length field
+            base[-trailer.OVERHEAD:-trailer.MAGIC_SIZE] = rng.randrange(65536).to_bytes(2, "little")
+        elif kind == 3:  # random payload of a random claimed size behind the magic
+            payload = rng.randbytes(rng.randint(0, 300))
+            base = bytearray(payload + rng.randint(0, 400).to_bytes(2, "little") + trailer.MAGIC)
+        else:  # random bytes, the magic's last bytes or not
+            base = bytearray(rng.randbytes(rng.randint(0, 64)) + trailer.MAGIC[rng.randint(0, trailer.MAGIC_SIZE):])
+        tails.append(bytes(base))
+    return tails
+
+
+def test_hostile_trailers_are_ignored_by_both_parsers_alike(metrics_runtime: runtime.Runtime) -> None:
+    """4,000 broken trailers: `split` never raises and the fast path agrees with it; the message torch unpickled is
+    returned unchanged, no call is ended that the trailer does not name, and nothing is an internal error."""
+    udf, result = PythonUDF(noop, (), {}), object()
+    request = wrap_deserialize(lambda self, d, t: udf)
+    response = wrap_deserialize(lambda self, d, t: result)
+    site = ClientSite(metrics_runtime, noop, "sync", "worker0")
+    for tail in _hostile_tails(seed=22, count=4000):
+        data = b"PICKLE." + tail
+        size, fields = trailer.split(data)
+        assert 0 <= size <= len(data)
+        obj = request(None, data, [])
+        assert tuple(obj) == tuple(udf)
+        assert getattr(obj, "rpc_observe_fields", None) == (fields if fields and fields[0] == trailer.REQUEST else None)
+        call = calls.Call(metrics_runtime, site)
+        call.id = 5
+        calls.in_flight[5] = call
+        assert response(None, data, []) is result
+        named = fields is not None and fields[0] == trailer.RESPONSE and fields[trailer.RESPONSE_CALL_ID].isdigit() \
+            and int(fields[trailer.RESPONSE_CALL_ID]) == 5
+        assert (5 not in calls.in_flight) == named, tail
+        calls.in_flight.clear()
+        metrics_runtime.metrics._records.clear()
+    assert health.internal_errors == {}
