@@ -599,6 +599,20 @@ def logs(world):
     return {"logged": True}
 
 
+def profiler_stop_race(world):
+    """torch.profiler sessions stopped right after rpc_sync returned (a crash of the heap once: the caller
+    stopped the profiler while a pool thread still ended the call's profiler event; hooks/client.py `_watch`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t, events = torch.ones(4), 0
+    for _ in range(int(os.environ.get("SCENARIO_SESSIONS", "200"))):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(50):
+                rpc.rpc_sync("worker1", echo, args=(t,))
+        events = sum(1 for e in prof.events() if e.name.startswith("rpc_sync#"))
+    return {"events_in_last_session": events}
+
+
 def split(world):
     """8 callers of a 20 ms UDF on worker1 (a pool of 1): the callee's time stays ~20 ms, the rest grows."""
     def _run(_):
@@ -661,6 +675,7 @@ SCENARIOS = {
     "split": split,
     "busy": busy,
     "logs": logs,
+    "profiler_stop_race": profiler_stop_race,
 }
 
 
