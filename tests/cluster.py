@@ -129,7 +129,9 @@ class Cluster:
                 assert code == -9, f"rank {rank} exited {code}, expected SIGKILL"
                 results.append(None)
                 continue
-            assert code == 0, f"rank {rank} exited {code}:\n" + self.log(rank)[-3000:]
+            if code != 0:  # the others would wait for it in rpc.shutdown(): stop them too
+                self.kill()
+                raise AssertionError(f"rank {rank} exited {code}:\n" + self.log(rank)[-3000:])
             result = json.loads((self.dir / f"result{rank}.json").read_text())
             self.shutdown_s[rank] = result.pop("shutdown_s")
             results.append(result)
