@@ -113,7 +113,7 @@ def test_the_other_metrics_keep_their_names_with_units_and_temporality(run) -> N
     assert requests.sum.is_monotonic and requests.sum.aggregation_temporality == 2  # cumulative
     pushed_adds = sum(p.as_double for p in requests.sum.data_points if attrs(p)["method"] == "add")
     assert pushed_adds == total(scraped["worker0"], "torch_rpc_client_requests_total", method="add") > 0
-    assert metrics["torch_rpc_serialized_bytes"].unit == "By"
+    assert (metrics["torch_rpc_serialized_bytes"].unit, requests.unit) == ("By", "1")  # the declared units
     assert metrics["torch_rpc_client_in_flight"].WhichOneof("data") == "gauge"
 
 

@@ -35,10 +35,6 @@ _reporting = threading.local()
 _installed: Callable[..., logging.LogRecord] | None = None  # our factory, while it is logging's
 
 
-def _ids(span: Any) -> tuple[str, str, bool]:
-    return format(span.trace_id, "032x"), format(span.span_id, "016x"), bool(span.sampled)
-
-
 def current_ids() -> tuple[str, str, str, bool]:
     """(trace id, span id, service name, sampled) of the span this thread is in, or empties."""
     runtime = _runtime.current
@@ -57,7 +53,7 @@ def current_ids() -> tuple[str, str, str, bool]:
         if span is None:
             span = runtime.tracer.serving.get(ident)  # the UDF this thread serves (no TracerProvider)
     if span is not None:
-        trace_id, span_id, sampled = _ids(span)
+        trace_id, span_id, sampled = span.trace_id, span.span_id, span.sampled
     else:
         trace = sys.modules.get("opentelemetry.trace")
         if trace is None:
@@ -65,10 +61,9 @@ def current_ids() -> tuple[str, str, str, bool]:
         context = trace.get_current_span().get_span_context()  # a TracerProvider's span, ours or the user's
         if not context.is_valid:
             return _EMPTY
-        trace_id, span_id = format(context.trace_id, "032x"), format(context.span_id, "016x")
-        sampled = context.trace_flags.sampled
+        trace_id, span_id, sampled = context.trace_id, context.span_id, context.trace_flags.sampled
     service = (runtime.config.service_name or runtime.worker) if runtime is not None else ""
-    return trace_id, span_id, service, sampled
+    return format(trace_id, "032x"), format(span_id, "016x"), service, bool(sampled)
 
 
 def _wrap(original: Callable[..., logging.LogRecord]) -> Callable[..., logging.LogRecord]:

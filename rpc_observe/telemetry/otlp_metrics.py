@@ -7,9 +7,9 @@ with `_HEADERS` and `_TIMEOUT`. Cumulative temporality, as Prometheus counts. No
 it: a collector that is down or slow costs one failed request per interval, counted in
 `rpc_observe_metric_exports_failed_total` and said once.
 
-Names: OpenTelemetry's RPC semantic conventions where one exists (`rpc.client.call.duration`,
+Names: OpenTelemetry's RPC semantic conventions where one is declared (`rpc.client.call.duration`,
 `rpc.server.call.duration`, in s, with `rpc.system.name` and `rpc.method`); elsewhere the
-Prometheus name without `_total`, its unit in the unit field, its labels as attributes.
+Prometheus name without `_total`, its declared unit in the unit field, its labels as attributes.
 """
 
 from __future__ import annotations
@@ -30,20 +30,17 @@ from prometheus_client.metrics_core import Metric
 
 from ..config import Config
 from . import health
-from .declarations import METRICS
+from .declarations import METRICS, MetricDeclaration
 
 _logger = logging.getLogger("rpc_observe")
 CUMULATIVE = pb.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 SCOPE = "rpc_observe"
-# Prometheus name -> OpenTelemetry semantic-convention name, as declared; the rest keep their names.
-SEMCONV: dict[str, str] = {m.name: m.otel_name for m in METRICS if m.otel_name}
+# The declarations by the name of the family a collection yields (a counter's without _total).
+_DECLARED: dict[str, MetricDeclaration] = {m.name.removesuffix("_total") if m.kind == "counter" else m.name: m
+                                           for m in METRICS}
+_OTLP_UNITS = {"seconds": "s", "bytes": "By", "": "1"}  # a declared unit as UCUM, which OTLP uses
 _SEMCONV_ATTRIBUTES = {"method": "rpc.method"}  # the labels of a semantic-convention metric that it renames
 _SYSTEM = KeyValue(key="rpc.system.name", value=AnyValue(string_value="torch_rpc"))
-_UNITS = (("_seconds", "s"), ("_bytes", "By"))
-
-
-def _unit(name: str) -> str:
-    return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), "1")
 
 
 def _attributes(labels: dict[str, str], renamed: dict[str, str]) -> list[KeyValue]:
@@ -67,9 +64,13 @@ def encode(families: Iterable[Metric], resource: list[KeyValue], start_ns: int, 
     """The families of one collection as an ExportMetricsServiceRequest."""
     metrics: list[pb.Metric] = []
     for family in families:
-        otel_name = SEMCONV.get(family.name, family.name)  # (a counter's family name has no _total)
-        renamed, extra = (_SEMCONV_ATTRIBUTES, [_SYSTEM]) if family.name in SEMCONV else ({}, [])
-        metric = pb.Metric(name=otel_name, description=family.documentation, unit=_unit(family.name))
+        declared = _DECLARED.get(family.name)
+        unit = _OTLP_UNITS.get(declared.unit, "1") if declared is not None else "1"
+        if declared is not None and declared.otel_name:
+            name, renamed, extra = declared.otel_name, _SEMCONV_ATTRIBUTES, [_SYSTEM]
+        else:
+            name, renamed, extra = family.name, {}, []
+        metric = pb.Metric(name=name, description=family.documentation, unit=unit)
         if family.type == "histogram":
             points: dict[tuple, dict[str, Any]] = {}
             for sample in family.samples:
@@ -130,7 +131,6 @@ class OtlpMetricsPusher:
         self._start_ns = time.time_ns()
         self._stop = threading.Event()
         self._warned = False
-        self.failures = 0
         self._thread = threading.Thread(target=self._run, name="rpc_observe-otlp-metrics", daemon=True)
         self._thread.start()
 
@@ -151,7 +151,6 @@ class OtlpMetricsPusher:
                 response.read()
             return True
         except Exception as e:  # down, slow, refused, or a bug of ours: the job goes on
-            self.failures += 1
             health.metric_export_failed()
             if not self._warned:
                 self._warned = True
