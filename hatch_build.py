@@ -30,6 +30,7 @@ except ImportError:  # run as a script, outside the build
 EXTENSIONS = (
     (Path("rpc_observe", "merge", "_speedups.c"), "rpc-observe merge runs in pure Python",
      "RPC_OBSERVE_MERGE_SPEEDUPS"),
+    (Path("rpc_observe", "hooks", "_core.c"), "the trailer codec runs in Python", None),
     (Path("rpc_observe", "hooks", "_stacks.c"),
      "the flight recorder reads other threads' stacks in Python, only of threads waiting 1 s or more", None),
 )

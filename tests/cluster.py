@@ -89,8 +89,11 @@ class Cluster:
             failed = [rank for rank, p in enumerate(self.procs)
                       if p.poll() not in (None, 0) and not (rank in killed and p.poll() == -9)]
             if failed or time.monotonic() > deadline:
+                doctor = "" if failed else self.doctor()  # stuck: who waits on whom, while the workers still run
                 self.kill()
-                raise AssertionError("scenario did not get ready:\n" + self.log(0)[-3000:])
+                rank = failed[0] if failed else 0  # the log that says why
+                raise AssertionError(f"scenario did not get ready (rank {rank}'s log):\n" + self.log(rank)[-3000:]
+                                     + doctor)
             time.sleep(0.1)
         return json.loads(self.ready_file.read_text())
 
@@ -136,6 +139,15 @@ class Cluster:
             self.shutdown_s[rank] = result.pop("shutdown_s")
             results.append(result)
         return results
+
+    def doctor(self) -> str:
+        """`rpc-observe doctor` on the live workers: the diagnosis a stuck test leaves in its failure."""
+        try:
+            out = subprocess.run([sys.executable, "-m", "rpc_observe", "doctor", str(self.out_dir)],
+                                 capture_output=True, text=True, timeout=60)
+            return f"\nrpc-observe doctor (exit {out.returncode}):\n{out.stdout[-6000:]}{out.stderr[-2000:]}"
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"\nrpc-observe doctor did not run: {e}"
 
     def kill(self) -> None:
         for proc in self.procs:

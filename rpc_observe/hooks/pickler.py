@@ -32,12 +32,9 @@ _thread_id = threading.get_ident
 _local, _in_flight, _next_id, _pending_replies = calls.local, calls.in_flight, calls.next_id, calls.pending_replies
 _finished_append = calls.finished.append
 _MAX_IN_FLIGHT = calls.MAX_IN_FLIGHT
-# The trailer layout, bound as module constants for the inline fast paths below.
-_MAGIC, _MAGIC_SIZE, _OVERHEAD = trailer.MAGIC, trailer.MAGIC_SIZE, trailer.OVERHEAD
-_REQUEST_PREFIX, _RESPONSE_PREFIX = trailer.REQUEST_PREFIX, trailer.RESPONSE_PREFIX
-_PREFIX_SIZE = len(_REQUEST_PREFIX)
-_CALL_ID, _MAX_CALL_ID_DIGITS, _SEP = trailer.CALL_ID, trailer.MAX_CALL_ID_DIGITS, trailer.SEP
-_SEP_BYTES = _SEP.encode()
+# The trailer codec (in C where built; trailer.py has the references).
+_parse, _request_trailer, _response_trailer = (trailer.fast_parse, trailer.fast_request_trailer,
+                                               trailer.fast_response_trailer)
 _UNKNOWN = "unknown"
 _MAX_CACHED = 10_000
 # torch clones a tensor before sending it when it is a small view of a big storage
@@ -154,7 +151,7 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
                 context = (runtime.tracer.context_text(call.span)  # type: ignore[union-attr]  # span: tracer
                            if call.span is not None else "")
                 call_id = _next_id() if site.echoed and len(_in_flight) < _MAX_IN_FLIGHT else 0
-                tail = trailer.request_trailer(site.trailer_head, call_id, context)
+                tail = _request_trailer(site.trailer_head, call_id, context)
                 record = site.record
                 if record is not None:
                     logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
@@ -169,7 +166,7 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
                 site, echo, request_start = reply
                 record = site.record
                 # The callee's time: from unpickling the request to having pickled this response.
-                tail = (trailer.response_trailer(echo, int((start + seconds - request_start) * 1e6) if request_start
+                tail = (_response_trailer(echo, int((start + seconds - request_start) * 1e6) if request_start
                                                  else -1) if echo else b"")
             else:
                 record = runtime.metrics.record if runtime.metrics is not None else None
@@ -205,22 +202,18 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
         # trailer and the echoed response to one of our calls (ended here), take no call of ours.
         try:
             data, tensors = binary_data, tensor_table
-            # `trailer.split`'s layout, read inline for payloads under 256 bytes (the length's high byte is 0).
-            if data[-_MAGIC_SIZE:] == _MAGIC and len(data) > _OVERHEAD and data[-_MAGIC_SIZE - 1] == 0:
-                size = data[-_OVERHEAD]
-                payload = data[-_OVERHEAD - size:-_OVERHEAD]
-                if payload[:_PREFIX_SIZE] == _RESPONSE_PREFIX:  # `r, call id[, callee us]`
-                    echo, _, callee_us = payload[_PREFIX_SIZE:].partition(_SEP_BYTES)
-                    call = _in_flight.pop(int(echo), None) if echo.isdigit() and (
-                        callee_us.isdigit() or not callee_us) and len(callee_us) <= _MAX_CALL_ID_DIGITS else None
+            parsed = _parse(data)  # the trailer: `trailer.parse`, in C where built
+            if parsed is not None:
+                if len(parsed) == 3:  # a response that echoes a call id: `(pickle size, call id, callee µs or -1)`
+                    call = _in_flight.pop(parsed[1], None)
                     if call is not None:
                         site = call.site
                         end_ns = _time_ns()
-                        callee_ns = int(callee_us) * 1000 if callee_us else -1
+                        callee_ns = parsed[2] * 1000 if parsed[2] >= 0 else -1
                         record = site.record
                         if record is not None:  # what came from the peer: pickle, trailer and storages
                             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-                            record((fold_message, site.response_cells, len(data) - size - _OVERHEAD, len(tensors),
+                            record((fold_message, site.response_cells, parsed[0], len(tensors),
                                     logical, traveling, seconds, site.received, len(data) + traveling))
                         if type(obj) is RemoteException or call.rf is not None or (
                                 runtime.profiler is not None and runtime.profiler.armed):
@@ -239,20 +232,16 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                             span.callee_ns = callee_ns
                             runtime.tracer.end(span, end_ns)  # type: ignore[union-attr]  # span: tracer
                         return obj
-                elif payload[:_PREFIX_SIZE] == _REQUEST_PREFIX and type(obj) is PythonUDF and payload.isascii():
-                    # A request: `trailer.split`'s checks, inline; anything they do not accept goes through it.
-                    fields = payload.decode("ascii").split(_SEP)
-                    call_id = fields[_CALL_ID] if len(fields) > _CALL_ID else "x"
-                    if not call_id or (len(call_id) <= _MAX_CALL_ID_DIGITS and call_id.isdigit()):
-                        obj = _tuple_new(_IncomingUDF, obj)
-                        obj.rpc_observe_fields = fields  # for the wrapped _run_function
-                        obj.rpc_observe_start = start  # for the callee's time, in its response
-                        if runtime.metrics is not None:
-                            cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func, obj.args)
-                            logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-                            runtime.metrics.record((fold_message, cells, len(data) - size - _OVERHEAD, len(tensors),
-                                                    logical, traveling, seconds, None, 0))
-                        return obj
+                elif type(obj) is PythonUDF:  # a request: `(pickle size, fields)`
+                    obj = _tuple_new(_IncomingUDF, obj)
+                    obj.rpc_observe_fields = parsed[1]  # for the wrapped _run_function
+                    obj.rpc_observe_start = start  # for the callee's time, in its response
+                    if runtime.metrics is not None:
+                        cells = runtime.request_cells.get(obj.func) or _request_cells(runtime, obj.func, obj.args)
+                        logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+                        runtime.metrics.record((fold_message, cells, parsed[0], len(tensors),
+                                                logical, traveling, seconds, None, 0))
+                    return obj
             return _on_other_message(runtime, obj, data, tensors, start, seconds)
         except Exception:
             health.internal_error("deserialize")

@@ -13,25 +13,16 @@ import threading
 import time
 import traceback
 from collections.abc import Iterable
-from types import ModuleType
 from typing import Any
 
-from . import calls, torch_state
+from . import calls, native, torch_state
 
 MAX_FRAMES = 64  # the innermost frames of a stack
 # Stacks only of threads whose call or UDF is this old: a stuck thread's, not every busy one's.
 STACK_AFTER_S = 1.0
 
 
-def _load_native() -> ModuleType | None:
-    try:
-        from . import _stacks  # the C stack reader (hatch_build.py), where a C compiler worked
-    except ImportError:
-        return None
-    return _stacks
-
-
-_native = _load_native()
+_native = native.load("_stacks")  # the C stack reader, where built
 _AGENT_KEYS = (("pool_size", "agent.thread_pool_size"), ("idle_threads", "agent.num_idle_threads"),
                ("client_active_calls", "agent.client_active_calls"),
                ("server_active_calls", "agent.server_active_calls"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from ..telemetry import health
 from ..telemetry.propagation import SEP
+from . import native
 
 MAGIC = b"\x00rpcobs1"
 MAGIC_SIZE = len(MAGIC)
@@ -29,6 +30,8 @@ REQUEST = "q"
 RESPONSE = "r"
 REQUEST_PREFIX = (REQUEST + SEP).encode()
 RESPONSE_PREFIX = (RESPONSE + SEP).encode()
+_PREFIX_SIZE = len(REQUEST_PREFIX)
+_SEP_BYTES = SEP.encode()
 # Field indices of a request (a response has KIND and RESPONSE_CALL_ID).
 KIND, SRC, MODE, CALL_ID, CONTEXT = 0, 1, 2, 3, 4
 RESPONSE_CALL_ID = 1
@@ -61,8 +64,39 @@ def _pack(text: str) -> bytes:
 
 
 def valid_call_id(text: str) -> bool:
-    """Empty (no echo wanted) or a decimal number of at most MAX_CALL_ID_DIGITS digits."""
-    return not text or (len(text) <= MAX_CALL_ID_DIGITS and text.isdigit())
+    """Empty (no echo wanted) or a decimal number of at most MAX_CALL_ID_DIGITS ASCII digits."""
+    return not text or (len(text) <= MAX_CALL_ID_DIGITS and text.isascii() and text.isdigit())
+
+
+Parsed = tuple[int, int, int] | tuple[int, list[str]]  # see `parse`
+
+
+def parse(data: bytes) -> Parsed | None:
+    """What the pickler's fast paths take from a message: (pickle size, call id, callee µs or -1) of a
+    response that echoes a call id, (pickle size, fields) of a request; None for anything else (no
+    trailer, a malformed one, a response without a call id), which `split` then reads and counts.
+
+    The reference of `_core.parse`, its C twin (tests/unit/test_trailer.py feeds both the same bytes)."""
+    if len(data) < OVERHEAD or data[-MAGIC_SIZE:] != MAGIC:
+        return None
+    size = data[-OVERHEAD] | data[-OVERHEAD + 1] << 8
+    if size > MAX_PAYLOAD or size + OVERHEAD > len(data):
+        return None
+    payload = data[-OVERHEAD - size:-OVERHEAD]
+    prefix = payload[:_PREFIX_SIZE]
+    if prefix == RESPONSE_PREFIX:  # `r, call id[, callee µs]`, all ASCII digits
+        echo, _, callee_us = payload[_PREFIX_SIZE:].partition(_SEP_BYTES)
+        if echo.isdigit() and len(echo) <= MAX_CALL_ID_DIGITS and (
+                not callee_us or (callee_us.isdigit() and len(callee_us) <= MAX_CALL_ID_DIGITS)):
+            return len(data) - size - OVERHEAD, int(echo), int(callee_us) if callee_us else -1
+    elif prefix == REQUEST_PREFIX:
+        try:
+            fields = bytes(payload).decode("utf-8").split(SEP)
+        except UnicodeDecodeError:
+            return None
+        if len(fields) > CALL_ID and valid_call_id(fields[CALL_ID]):
+            return len(data) - size - OVERHEAD, fields
+    return None
 
 
 def split(data: bytes) -> tuple[int, list[str] | None]:
@@ -93,3 +127,12 @@ def split(data: bytes) -> tuple[int, list[str] | None]:
     except Exception:
         health.invalid_context()
         return len(data), None
+
+
+# What the pickler's hot paths call: the C codec where it is built (the functions above are its
+# reference and fallback, with RPC_OBSERVE_NO_EXTENSIONS=1).
+core = native.load("_core")
+if core is not None:
+    fast_parse, fast_request_trailer, fast_response_trailer = core.parse, core.request_trailer, core.response_trailer
+else:
+    fast_parse, fast_request_trailer, fast_response_trailer = parse, request_trailer, response_trailer

@@ -1,4 +1,5 @@
-"""The trailer codec, and the pickler's inline fast path against the general parser on the same bytes."""
+"""The trailer codec: the C one (hooks/_core.c) against its Python reference, and the pickler's fast
+paths, with either, against the general parser on the same bytes, hostile ones included."""
 
 from __future__ import annotations
 
@@ -14,6 +15,37 @@ from rpc_observe.telemetry.metrics import fold_finished, fold_message, fold_spli
 
 def noop() -> None:
     pass
+
+
+C = trailer.core
+needs_c = pytest.mark.skipif(C is None, reason="the C core is not built here (or RPC_OBSERVE_NO_EXTENSIONS=1)")
+CODECS = ["python"] + (["c"] if C is not None else [])
+
+
+@pytest.fixture(params=CODECS)
+def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The pickler's hot paths with the Python codec, then with the C one (where built)."""
+    if request.param == "python":
+        monkeypatch.setattr(pickler, "_parse", trailer.parse)
+        monkeypatch.setattr(pickler, "_request_trailer", trailer.request_trailer)
+        monkeypatch.setattr(pickler, "_response_trailer", trailer.response_trailer)
+    else:
+        assert C is not None
+        monkeypatch.setattr(pickler, "_parse", C.parse)
+        monkeypatch.setattr(pickler, "_request_trailer", C.request_trailer)
+        monkeypatch.setattr(pickler, "_response_trailer", C.response_trailer)
+    return str(request.param)
+
+
+def test_the_core_is_built_where_a_compiler_is() -> None:
+    import shutil
+
+    from rpc_observe.hooks import native
+
+    if not (shutil.which("cc") or shutil.which("gcc")) or native.extensions_off():
+        pytest.skip("no C compiler here, or RPC_OBSERVE_NO_EXTENSIONS=1: the codec runs in Python")
+    assert C is not None, "rpc_observe/hooks/_core.c is not built: reinstall (pip install -e .)"
+    assert pickler._parse is C.parse and pickler._request_trailer is C.request_trailer
 
 
 def test_layout_constants_describe_the_bytes() -> None:
@@ -51,7 +83,7 @@ REQUESTS = [
 
 
 @pytest.mark.parametrize("tail", REQUESTS, ids=range(len(REQUESTS)))
-def test_request_fast_path_agrees_with_split(metrics_runtime: runtime.Runtime, tail: bytes) -> None:
+def test_request_fast_path_agrees_with_split(metrics_runtime: runtime.Runtime, codec: str, tail: bytes) -> None:
     data = b"PICKLE." + tail
     udf = PythonUDF(noop, (), {})
     deserialize = wrap_deserialize(lambda self, d, t: udf)
@@ -68,7 +100,8 @@ def test_request_fast_path_agrees_with_split(metrics_runtime: runtime.Runtime, t
 
 @pytest.mark.parametrize("echo", ["5", "0005", "7", "1" * 25, "", "x5", "5\x1f1234", "5\x1f", "5\x1fx",
                                   "5\x1f" + "9" * 25, "5\x1f1\x1f2", "7\x1f12"])
-def test_response_fast_path_ends_exactly_the_call_split_names(metrics_runtime: runtime.Runtime, echo: str) -> None:
+def test_response_fast_path_ends_exactly_the_call_split_names(metrics_runtime: runtime.Runtime, codec: str,
+                                                               echo: str) -> None:
     site = ClientSite(metrics_runtime, noop, "sync", "worker0")
     call = calls.Call(metrics_runtime, site)
     call.id = 5
@@ -92,7 +125,7 @@ def test_response_fast_path_ends_exactly_the_call_split_names(metrics_runtime: r
 
 
 @pytest.mark.parametrize("tail", REQUESTS[:4], ids=range(4))
-def test_request_fast_path_counts_and_hands_on_as_the_general_path(metrics_runtime: runtime.Runtime,
+def test_request_fast_path_counts_and_hands_on_as_the_general_path(metrics_runtime: runtime.Runtime, codec: str,
                                                                    monkeypatch: pytest.MonkeyPatch,
                                                                    tail: bytes) -> None:
     """The requests the fast path takes: the same UDF for `_run_function` and the same record as
@@ -151,7 +184,7 @@ def _hostile_tails(seed: int, count: int) -> list[bytes]:
     return tails
 
 
-def test_hostile_trailers_are_ignored_by_both_parsers_alike(metrics_runtime: runtime.Runtime) -> None:
+def test_hostile_trailers_are_ignored_by_both_parsers_alike(metrics_runtime: runtime.Runtime, codec: str) -> None:
     """4,000 broken trailers: `split` never raises and the fast path agrees with it; the message torch unpickled is
     returned unchanged, no call is ended that the trailer does not name, and nothing is an internal error."""
     udf, result = PythonUDF(noop, (), {}), object()
@@ -175,3 +208,77 @@ def test_hostile_trailers_are_ignored_by_both_parsers_alike(metrics_runtime: run
         calls.in_flight.clear()
         metrics_runtime.metrics._records.clear()
     assert health.internal_errors == {}
+
+
+def _random_messages(seed: int, count: int) -> list[bytes]:
+    """Valid, hostile and random trailers behind pickles of random sizes (0 too)."""
+    import random
+
+    rng = random.Random(seed)
+    tails = _hostile_tails(seed, count)
+    return [rng.randbytes(rng.choice((0, 1, 7, 300))) + tail for tail in tails]
+
+
+def test_parse_agrees_with_split() -> None:
+    """The fast paths' parser reads what the general one reads, or leaves the message to it (None)."""
+    for data in [b"P." + t for t in REQUESTS] + _random_messages(seed=7, count=4000):
+        parsed, (size, fields) = trailer.parse(data), trailer.split(data)
+        if fields is None or (fields[0] == trailer.RESPONSE and not fields[trailer.RESPONSE_CALL_ID]):
+            assert parsed is None, data
+        elif fields[0] == trailer.REQUEST:
+            assert parsed == (size, fields), data
+        else:
+            callee = fields[trailer.RESPONSE_CALLEE_US] if len(fields) > trailer.RESPONSE_CALLEE_US else ""
+            assert parsed == (size, int(fields[trailer.RESPONSE_CALL_ID]), int(callee) if callee else -1), data
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(5))
+def test_c_parse_agrees_with_the_reference_on_hostile_bytes(seed: int) -> None:
+    """20,000 messages a broken or hostile peer could send, as bytes, bytearray and memoryview: the C
+    parser gives exactly what the Python reference gives (and reads nothing outside the buffer: .ci/asan)."""
+    assert C is not None
+    for data in _random_messages(seed=1000 + seed, count=4000):
+        expected = trailer.parse(data)
+        assert C.parse(data) == expected, data
+        assert C.parse(bytearray(data)) == expected and C.parse(memoryview(data)) == expected
+
+
+@needs_c
+def test_c_parse_takes_every_length_and_number_the_layout_allows() -> None:
+    assert C is not None
+    for size in range(0, trailer.MAX_PAYLOAD + 2, 7):  # every claimed length up to past the limit
+        payload = (b"r\x1f" + b"1" * size)[:size]
+        for data in (payload + size.to_bytes(2, "little") + trailer.MAGIC,
+                     payload[1:] + size.to_bytes(2, "little") + trailer.MAGIC):  # one byte short of its claim
+            assert C.parse(data) == trailer.parse(data)
+    for digits in ("0", "9" * 18, "9" * 19, "9" * 20, "1" + "0" * 19, "9" * 21):  # past a C long long, and too long
+        data = trailer.response_trailer(digits, int("9" * 20))
+        assert C.parse(data) == trailer.parse(data)
+    for short in (b"", trailer.MAGIC, trailer.MAGIC[1:], b"\x00" + trailer.MAGIC):
+        assert C.parse(short) is None and trailer.parse(short) is None
+    with pytest.raises(TypeError):
+        C.parse("not bytes")  # type: ignore[arg-type]
+
+
+@needs_c
+@pytest.mark.parametrize(("head", "call_id", "context"), [
+    (HEAD, 0, ""), (HEAD, 12, ""), (HEAD, 2**64 + 1, "ctx"), (HEAD, -3, ""), (HEAD, 12, "traceparent=x\x1fbaggage=k=v"),
+    (HEAD, 0, "only context"), (trailer.request_head("wörker", "async"), 3, "ctx"),
+    (trailer.request_head("w" * 3000, "sync"), 3, "ctx"), (trailer.request_head("w\ud800", "sync"), 3, "c\udfff"),
+    ("", 0, ""), (HEAD, 1, "é" * 2000),  # cut inside a character, as the reference cuts
+])
+def test_c_request_trailer_packs_as_the_reference(head: str, call_id: int, context: str) -> None:
+    assert C is not None
+    assert C.request_trailer(head, call_id, context) == trailer.request_trailer(head, call_id, context)
+
+
+@needs_c
+@pytest.mark.parametrize(("call_id", "callee_us"), [
+    ("5", -1), ("5", 0), ("5", 1234), ("1" * 20, 2**70), ("", -1), ("w\ud800", 3), ("x" * 3000, 5),
+])
+def test_c_response_trailer_packs_as_the_reference(call_id: str, callee_us: int) -> None:
+    assert C is not None
+    assert C.response_trailer(call_id, callee_us) == trailer.response_trailer(call_id, callee_us)
+    with pytest.raises(TypeError):
+        C.response_trailer(call_id, "5")  # type: ignore[arg-type]
