@@ -64,81 +64,110 @@ valid_call_id(const char *s, Py_ssize_t n)
     return 1;
 }
 
-/* A response's payload after "r\x1f": `call id[\x1f callee us]` -> (pickle size, call id, callee us or -1). */
-static PyObject *
-parse_response(const char *p, Py_ssize_t n, Py_ssize_t pickle_size)
+/* What a message's trailer says, read without building the tuple `parse` returns. */
+enum kind { NONE, RESPONSE, REQUEST, FAILED };
+
+typedef struct {
+    Py_ssize_t pickle_size;
+    PyObject *call_id;  /* RESPONSE: the echoed call id (new reference) */
+    long long callee_us;  /* RESPONSE: -1 if not given */
+    PyObject *fields;  /* REQUEST: the fields (new reference) */
+} trailer_view;
+
+/* A response's payload after "r\x1f": `call id[\x1f callee us]`. NONE if it is not a valid one with a call id. */
+static enum kind
+read_response(const char *p, Py_ssize_t n, trailer_view *out)
 {
     const char *sep = memchr(p, SEP, (size_t)n);
     Py_ssize_t id_len = sep != NULL ? sep - p : n;
-    PyObject *call_id = digits_to_int(p, id_len);  /* empty: no call to end, the general path's business */
-    if (call_id == NULL) {
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    long long callee = -1;
+    if (sep != NULL && id_len + 1 < n) {  /* a callee time */
+        Py_ssize_t c_len = n - id_len - 1;
+        if (c_len > MAX_CALL_ID_DIGITS) {
+            return NONE;
+        }
+        PyObject *number = digits_to_int(sep + 1, c_len);  /* a second separator is not a digit: refused */
+        if (number == NULL) {
+            return PyErr_Occurred() ? FAILED : NONE;
+        }
+        callee = PyLong_AsLongLong(number);
+        Py_DECREF(number);
+        if (callee == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                return FAILED;
+            }
+            PyErr_Clear();
+        }
+        if (c_len > SAFE_DIGITS) {  /* 19-20 digits: no real call, taken as not known (trailer.parse alike) */
+            callee = -1;
+        }
     }
-    PyObject *callee;
-    if (sep == NULL || id_len + 1 == n) {  /* no callee time, or an empty one */
-        callee = PyLong_FromLong(-1);
+    out->call_id = digits_to_int(p, id_len);  /* empty: no call to end, the general path's business */
+    if (out->call_id == NULL) {
+        return PyErr_Occurred() ? FAILED : NONE;
     }
-    else {
-        callee = digits_to_int(sep + 1, n - id_len - 1);  /* a second separator is not a digit: refused */
-    }
-    if (callee == NULL) {
-        Py_DECREF(call_id);
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    }
-    PyObject *size = PyLong_FromSsize_t(pickle_size);
-    if (size == NULL) {
-        Py_DECREF(call_id);
-        Py_DECREF(callee);
-        return NULL;
-    }
-    PyObject *result = PyTuple_Pack(3, size, call_id, callee);
-    Py_DECREF(size);
-    Py_DECREF(call_id);
-    Py_DECREF(callee);
-    return result;
+    out->callee_us = callee;
+    return RESPONSE;
 }
 
-/* A request's payload (UTF-8, fields split by 0x1f) -> (pickle size, fields); None if it is not a valid one. */
-static PyObject *
-parse_request(const char *p, Py_ssize_t n, Py_ssize_t pickle_size)
+/* A request's payload (UTF-8, fields split by 0x1f). NONE if it is not a valid one. */
+static enum kind
+read_request(const char *p, Py_ssize_t n, trailer_view *out)
 {
     PyObject *text = PyUnicode_DecodeUTF8(p, n, "strict");
     if (text == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
-            return NULL;
+            return FAILED;
         }
         PyErr_Clear();
-        Py_RETURN_NONE;
+        return NONE;
     }
     PyObject *fields = PyUnicode_Split(text, sep_str, -1);
     Py_DECREF(text);
     if (fields == NULL) {
-        return NULL;
+        return FAILED;
     }
     /* kind, src, mode, call id, context...: the call id empty or digits */
     if (PyList_GET_SIZE(fields) < 4) {
         Py_DECREF(fields);
-        Py_RETURN_NONE;
+        return NONE;
     }
     Py_ssize_t id_len;
     const char *id = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(fields, 3), &id_len);
     if (id == NULL) {
         Py_DECREF(fields);
-        return NULL;
+        return FAILED;
     }
     if (!valid_call_id(id, id_len)) {
         Py_DECREF(fields);
-        Py_RETURN_NONE;
+        return NONE;
     }
-    PyObject *size = PyLong_FromSsize_t(pickle_size);
-    if (size == NULL) {
-        Py_DECREF(fields);
-        return NULL;
+    out->fields = fields;
+    return REQUEST;
+}
+
+/* The trailer of `buf[0:len]`: every length is checked against the buffer before a byte is read. */
+static enum kind
+read_trailer(const char *buf, Py_ssize_t len, trailer_view *out)
+{
+    out->call_id = out->fields = NULL;
+    if (len < OVERHEAD || memcmp(buf + len - MAGIC_SIZE, MAGIC, MAGIC_SIZE) != 0) {
+        return NONE;
     }
-    PyObject *result = PyTuple_Pack(2, size, fields);
-    Py_DECREF(size);
-    Py_DECREF(fields);
-    return result;
+    const unsigned char *length = (const unsigned char *)buf + len - OVERHEAD;
+    Py_ssize_t size = (Py_ssize_t)length[0] | ((Py_ssize_t)length[1] << 8);
+    if (size > MAX_PAYLOAD || size + OVERHEAD > len || size < 2 || buf[len - OVERHEAD - size + 1] != SEP) {
+        return NONE;  /* too long, longer than the message, or not `kind \x1f ...` */
+    }
+    const char *payload = buf + len - OVERHEAD - size;
+    out->pickle_size = len - OVERHEAD - size;
+    if (payload[0] == 'r') {
+        return read_response(payload + 2, size - 2, out);
+    }
+    if (payload[0] == 'q') {
+        return read_request(payload, size, out);
+    }
+    return NONE;
 }
 
 PyDoc_STRVAR(parse_doc,
@@ -154,31 +183,22 @@ parse(PyObject *module, PyObject *data)
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
-    const char *buf = view.buf;
-    Py_ssize_t len = view.len;
+    trailer_view t;
+    enum kind kind = read_trailer(view.buf, view.len, &t);
     PyObject *result = NULL;
-    if (len < OVERHEAD || memcmp(buf + len - MAGIC_SIZE, MAGIC, MAGIC_SIZE) != 0) {
-        result = Py_NewRef(Py_None);
-        goto done;
+    if (kind == RESPONSE) {
+        PyObject *callee = PyLong_FromLongLong(t.callee_us);
+        result = callee != NULL ? Py_BuildValue("(nOO)", t.pickle_size, t.call_id, callee) : NULL;
+        Py_XDECREF(callee);
+        Py_DECREF(t.call_id);
     }
-    const unsigned char *length = (const unsigned char *)buf + len - OVERHEAD;
-    Py_ssize_t size = (Py_ssize_t)length[0] | ((Py_ssize_t)length[1] << 8);
-    if (size > MAX_PAYLOAD || size + OVERHEAD > len || size < 2 || buf[len - OVERHEAD - size + 1] != SEP) {
-        result = Py_NewRef(Py_None);  /* too long, longer than the message, or not `kind \x1f ...` */
-        goto done;
+    else if (kind == REQUEST) {
+        result = Py_BuildValue("(nO)", t.pickle_size, t.fields);
+        Py_DECREF(t.fields);
     }
-    const char *payload = buf + len - OVERHEAD - size;
-    Py_ssize_t pickle_size = len - OVERHEAD - size;
-    if (payload[0] == 'r') {
-        result = parse_response(payload + 2, size - 2, pickle_size);
-    }
-    else if (payload[0] == 'q') {
-        result = parse_request(payload, size, pickle_size);
-    }
-    else {
+    else if (kind == NONE) {
         result = Py_NewRef(Py_None);
     }
-done:
     PyBuffer_Release(&view);
     return result;
 }
@@ -318,8 +338,375 @@ done:
     return result;
 }
 
+
+/* ---- The pickler's hot path: what `pickler.deserialize` does after torch unpickled a message ---- */
+
+/* What `configure` hands over once: the tables and functions the hot path uses (strong references). */
+static struct {
+    PyObject *in_flight;  /* calls.in_flight */
+    PyObject *finished_append;  /* calls.finished.append */
+    PyObject *fold_message, *fold_split, *fold_finished;  /* the metrics' fold functions, first in each record */
+    PyObject *remote_exception;  /* torch's RemoteException type */
+    PyObject *python_udf;  /* torch's PythonUDF type */
+    PyObject *incoming_udf;  /* pickler._IncomingUDF */
+    PyObject *request_cells;  /* pickler._request_cells(runtime, func, args) */
+    PyObject *finish_call;  /* pickler._finish_echoed(call, obj, end_ns, callee_ns): the reference ending */
+    PyObject *not_handled;  /* what `handle` returns for the general path */
+    PyObject *time_ns;  /* time.time_ns (a test's clock in tests) */
+} refs;
+
+static PyObject *s_site, *s_record, *s_response_cells, *s_received, *s_cells, *s_rf, *s_profiler, *s_armed,
+    *s_start_ns, *s_id, *s_span, *s_callee_ns, *s_tracer, *s_end, *s_metrics, *s_request_cells_attr,
+    *s_fields, *s_start, *s_nbytes, *s_untyped_storage, *s_numel, *s_element_size;
+
+static int
+intern_names(void)
+{
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&s_site, "site"}, {&s_record, "record"}, {&s_response_cells, "response_cells"}, {&s_received, "received"},
+        {&s_cells, "cells"}, {&s_rf, "rf"}, {&s_profiler, "profiler"}, {&s_armed, "armed"},
+        {&s_start_ns, "start_ns"}, {&s_id, "id"}, {&s_span, "span"}, {&s_callee_ns, "callee_ns"},
+        {&s_tracer, "tracer"}, {&s_end, "end"}, {&s_metrics, "metrics"}, {&s_request_cells_attr, "request_cells"},
+        {&s_fields, "rpc_observe_fields"}, {&s_start, "rpc_observe_start"}, {&s_nbytes, "nbytes"},
+        {&s_untyped_storage, "untyped_storage"}, {&s_numel, "numel"}, {&s_element_size, "element_size"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(configure_doc,
+"configure(in_flight, finished_append, fold_message, fold_split, fold_finished, remote_exception, python_udf,\n"
+"          incoming_udf, request_cells, finish_call, not_handled, time_ns, /)\n--\n\n"
+"Hands the hot path its tables and functions (pickler.py calls it once, at import).");
+
+static PyObject *
+configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject **slots[] = {&refs.in_flight, &refs.finished_append, &refs.fold_message, &refs.fold_split,
+                          &refs.fold_finished, &refs.remote_exception, &refs.python_udf, &refs.incoming_udf,
+                          &refs.request_cells, &refs.finish_call, &refs.not_handled, &refs.time_ns};
+    if (nargs != (Py_ssize_t)(sizeof(slots) / sizeof(slots[0]))) {
+        PyErr_SetString(PyExc_TypeError, "configure takes 12 arguments");
+        return NULL;
+    }
+    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "configure: in_flight must be a dict, the three classes types");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    }
+    Py_RETURN_NONE;
+}
+
+/* tensor_sizes(tensors) of pickler.py: (logical bytes, storage bytes that travel) of a tensor table. */
+#define MIN_RECOPY_BYTES (8 * 1024)
+#define MIN_MULTIPLE 2
+
+static long long
+long_attr_or_call(PyObject *obj, PyObject *name, int call)
+{
+    PyObject *value = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    if (value == NULL) {
+        return -1;
+    }
+    long long n = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return n;
+}
+
+static int
+tensor_sizes(PyObject *tensors, long long *logical, long long *traveling)
+{
+    *logical = *traveling = 0;
+    PyObject *seq = PySequence_Fast(tensors, "the tensor table is not a sequence");
+    if (seq == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        long long useful = long_attr_or_call(t, s_nbytes, 0), storage = -1;
+        if (!(useful == -1 && PyErr_Occurred())) {
+            PyObject *st = PyObject_CallMethodNoArgs(t, s_untyped_storage);
+            if (st != NULL) {
+                storage = long_attr_or_call(st, s_nbytes, 1);
+                Py_DECREF(st);
+            }
+        }
+        if (PyErr_Occurred()) {  /* sparse and other storage-less tensors (any Exception, as the reference) */
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                Py_DECREF(seq);
+                return -1;
+            }
+            PyErr_Clear();
+            long long numel = long_attr_or_call(t, s_numel, 1);
+            long long size = numel == -1 && PyErr_Occurred() ? -1 : long_attr_or_call(t, s_element_size, 1);
+            if (PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return -1;
+            }
+            useful = storage = numel * size;
+        }
+        *logical += useful;
+        int recopied = storage >= MIN_RECOPY_BYTES && storage >= useful * MIN_MULTIPLE;
+        *traveling += recopied ? useful : storage;
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* `record((fold_message, cells, payload bytes, tensors, tensor bytes, storage bytes, seconds, peer cell, wire))` */
+static int
+record_message(PyObject *record, PyObject *cells, Py_ssize_t payload, PyObject *tensors, double seconds,
+               PyObject *peer_cell, Py_ssize_t message_bytes)
+{
+    long long logical = 0, traveling = 0;
+    Py_ssize_t count = PyObject_Length(tensors);
+    if (count < 0 || (count > 0 && tensor_sizes(tensors, &logical, &traveling) < 0)) {
+        return -1;
+    }
+    PyObject *rec = Py_BuildValue("(OOnnLLdOL)", refs.fold_message, cells, payload, count, logical, traveling,
+                                  seconds, peer_cell != NULL ? peer_cell : Py_None,
+                                  peer_cell != NULL ? (long long)message_bytes + traveling : 0LL);
+    if (rec == NULL) {
+        return -1;
+    }
+    PyObject *done = PyObject_CallOneArg(record, rec);
+    Py_DECREF(rec);
+    Py_XDECREF(done);
+    return done != NULL ? 0 : -1;
+}
+
+/* time.time_ns(), through the configured clock; -1 with an error set if it fails. */
+static long long
+now_ns(void)
+{
+    PyObject *now = PyObject_CallNoArgs(refs.time_ns);
+    if (now == NULL) {
+        return -1;
+    }
+    long long ns = PyLong_AsLongLong(now);
+    Py_DECREF(now);
+    return ns;
+}
+
+/* An attribute that must be there; NULL (with the AttributeError) if not. */
+#define GET(obj, name) PyObject_GetAttr((obj), (name))
+
+/* The echoed response of a call in flight: ends the call (pickler.py's Python fast path, line by line). */
+static PyObject *
+end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *tensors, double seconds,
+           trailer_view *t)
+{
+    PyObject *call = PyDict_GetItemWithError(refs.in_flight, t->call_id);
+    if (call == NULL) {
+        return PyErr_Occurred() ? NULL : Py_NewRef(refs.not_handled);  /* not in flight (any more) */
+    }
+    Py_INCREF(call);
+    if (PyDict_DelItem(refs.in_flight, t->call_id) < 0) {
+        Py_DECREF(call);
+        return NULL;
+    }
+    PyObject *site = NULL, *record = NULL, *cells = NULL, *received = NULL, *rf = NULL, *profiler = NULL;
+    PyObject *armed = NULL, *start = NULL, *id = NULL, *span = NULL, *rec = NULL, *result = NULL, *done = NULL;
+    long long end_ns = now_ns();
+    if (end_ns == -1 && PyErr_Occurred()) {
+        Py_DECREF(call);
+        return NULL;
+    }
+    long long callee_ns = t->callee_us >= 0 ? t->callee_us * 1000 : -1;
+    if ((site = GET(call, s_site)) == NULL || (record = GET(site, s_record)) == NULL) {
+        goto done;
+    }
+    if (record != Py_None) {  /* what came from the peer: pickle, trailer and storages */
+        if ((cells = GET(site, s_response_cells)) == NULL || (received = GET(site, s_received)) == NULL ||
+            record_message(record, cells, t->pickle_size, tensors, seconds, received, message_size) < 0) {
+            goto done;
+        }
+        Py_CLEAR(cells);
+    }
+    if ((rf = GET(call, s_rf)) == NULL || (profiler = GET(runtime, s_profiler)) == NULL) {
+        goto done;
+    }
+    int profiled = 0;
+    if (profiler != Py_None) {
+        if ((armed = GET(profiler, s_armed)) == NULL || (profiled = PyObject_IsTrue(armed)) < 0) {
+            goto done;
+        }
+    }
+    if (Py_IS_TYPE(obj, (PyTypeObject *)refs.remote_exception) || rf != Py_None || profiled) {
+        done = PyObject_CallFunction(refs.finish_call, "OOLL", call, obj, end_ns, callee_ns);
+        if (done != NULL) {
+            result = Py_NewRef(obj);
+        }
+        goto done;
+    }
+    /* Call.finish, inline, for a successful call no profiler has seen (tests/unit/test_endings.py). */
+    if ((start = GET(call, s_start_ns)) == NULL || (id = GET(call, s_id)) == NULL || (span = GET(call, s_span)) == NULL) {
+        goto done;
+    }
+    long long start_ns = PyLong_AsLongLong(start);
+    if (start_ns == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if ((rec = Py_BuildValue("(OOOLO)", site, id, start, end_ns, Py_None)) == NULL ||
+        (done = PyObject_CallOneArg(refs.finished_append, rec)) == NULL) {
+        goto done;
+    }
+    Py_CLEAR(rec);
+    Py_CLEAR(done);
+    if (record != Py_None) {
+        if ((cells = GET(site, s_cells)) == NULL) {
+            goto done;
+        }
+        double call_s = (double)(end_ns - start_ns) / 1e9;
+        rec = callee_ns >= 0
+            ? Py_BuildValue("(OOddO)", refs.fold_split, cells, call_s, (double)callee_ns / 1e9, span)
+            : Py_BuildValue("(OOdO)", refs.fold_finished, cells, call_s, span);
+        if (rec == NULL || (done = PyObject_CallOneArg(record, rec)) == NULL) {
+            goto done;
+        }
+        Py_CLEAR(done);
+    }
+    if (span != Py_None) {
+        PyObject *tracer = NULL, *callee = PyLong_FromLongLong(callee_ns), *end = NULL;
+        int failed = callee == NULL || PyObject_SetAttr(span, s_callee_ns, callee) < 0 ||
+                     (tracer = GET(runtime, s_tracer)) == NULL || (end = PyLong_FromLongLong(end_ns)) == NULL ||
+                     (done = PyObject_CallMethodObjArgs(tracer, s_end, span, end, NULL)) == NULL;
+        Py_XDECREF(callee);
+        Py_XDECREF(tracer);
+        Py_XDECREF(end);
+        if (failed) {
+            goto done;
+        }
+    }
+    result = Py_NewRef(obj);
+done:
+    Py_DECREF(call);
+    Py_XDECREF(site);
+    Py_XDECREF(record);
+    Py_XDECREF(cells);
+    Py_XDECREF(received);
+    Py_XDECREF(rf);
+    Py_XDECREF(profiler);
+    Py_XDECREF(armed);
+    Py_XDECREF(start);
+    Py_XDECREF(id);
+    Py_XDECREF(span);
+    Py_XDECREF(rec);
+    Py_XDECREF(done);
+    return result;
+}
+
+/* A request with a valid trailer: the UDF _run_function gets, with the caller's fields (pickler.py, line by line). */
+static PyObject *
+take_request(PyObject *runtime, PyObject *obj, PyObject *tensors, double start, double seconds, trailer_view *t)
+{
+    PyObject *args = NULL, *udf = NULL, *started = NULL, *metrics = NULL, *table = NULL, *cells = NULL;
+    PyObject *record = NULL, *result = NULL;
+    if ((args = PyTuple_Pack(1, obj)) == NULL ||
+        (udf = PyTuple_Type.tp_new((PyTypeObject *)refs.incoming_udf, args, NULL)) == NULL ||
+        PyObject_SetAttr(udf, s_fields, t->fields) < 0 || (started = PyFloat_FromDouble(start)) == NULL ||
+        PyObject_SetAttr(udf, s_start, started) < 0 || (metrics = GET(runtime, s_metrics)) == NULL) {
+        goto done;
+    }
+    if (metrics != Py_None) {
+        if (!PyTuple_Check(udf) || PyTuple_GET_SIZE(udf) < 2) {
+            PyErr_SetString(PyExc_TypeError, "a PythonUDF without func and args");
+            goto done;
+        }
+        PyObject *func = PyTuple_GET_ITEM(udf, 0);
+        if ((table = GET(runtime, s_request_cells_attr)) == NULL) {
+            goto done;
+        }
+        cells = PyDict_Check(table) ? PyDict_GetItemWithError(table, func) : NULL;  /* borrowed */
+        if (cells == NULL) {
+            if (PyErr_Occurred()) {
+                if (!PyErr_ExceptionMatches(PyExc_TypeError)) {  /* an unhashable func: _request_cells copes */
+                    goto done;
+                }
+                PyErr_Clear();
+            }
+            cells = PyObject_CallFunctionObjArgs(refs.request_cells, runtime, func, PyTuple_GET_ITEM(udf, 1), NULL);
+            if (cells == NULL) {
+                goto done;
+            }
+        }
+        else {
+            Py_INCREF(cells);
+        }
+        if ((record = GET(metrics, s_record)) == NULL ||
+            record_message(record, cells, t->pickle_size, tensors, seconds, NULL, 0) < 0) {
+            goto done;
+        }
+    }
+    result = Py_NewRef(udf);
+done:
+    Py_XDECREF(args);
+    Py_XDECREF(udf);
+    Py_XDECREF(started);
+    Py_XDECREF(metrics);
+    Py_XDECREF(table);
+    Py_XDECREF(cells);
+    Py_XDECREF(record);
+    return result;
+}
+
+PyDoc_STRVAR(handle_doc,
+"handle(runtime, obj, data, tensors, start, seconds, /)\n--\n\n"
+"pickler.deserialize's fast paths after torch unpickled `obj` from `data`: ends the call an echoed\n"
+"response names, or gives the UDF of a request with the caller's fields; returns what torch gets, or\n"
+"`not_handled` (configure) for the general path.");
+
+static PyObject *
+handle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "handle takes 6 arguments");
+        return NULL;
+    }
+    if (refs.not_handled == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_core.configure was not called");
+        return NULL;
+    }
+    PyObject *runtime = args[0], *obj = args[1], *data = args[2], *tensors = args[3];
+    double start = PyFloat_AsDouble(args[4]), seconds = PyFloat_AsDouble(args[5]);
+    if ((start == -1.0 || seconds == -1.0) && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    trailer_view t;
+    enum kind kind = read_trailer(view.buf, view.len, &t);
+    Py_ssize_t message_size = view.len;
+    PyBuffer_Release(&view);
+    PyObject *result;
+    if (kind == RESPONSE) {
+        result = end_echoed(runtime, obj, message_size, tensors, seconds, &t);
+        Py_DECREF(t.call_id);
+    }
+    else if (kind == REQUEST) {
+        result = Py_IS_TYPE(obj, (PyTypeObject *)refs.python_udf)
+            ? take_request(runtime, obj, tensors, start, seconds, &t) : Py_NewRef(refs.not_handled);
+        Py_DECREF(t.fields);
+    }
+    else {
+        result = kind == FAILED ? NULL : Py_NewRef(refs.not_handled);
+    }
+    return result;
+}
+
 static PyMethodDef core_methods[] = {
     {"parse", parse, METH_O, parse_doc},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
+    {"handle", (PyCFunction)(void (*)(void))handle, METH_FASTCALL, handle_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},
     {NULL, NULL, 0, NULL},
@@ -332,7 +719,7 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if (sep_str == NULL && (sep_str = PyUnicode_FromStringAndSize("\x1f", 1)) == NULL) {
+    if ((sep_str == NULL && (sep_str = PyUnicode_FromStringAndSize("\x1f", 1)) == NULL) || intern_names() < 0) {
         return NULL;
     }
     return PyModule_Create(&core_module);

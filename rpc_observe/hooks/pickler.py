@@ -133,6 +133,27 @@ class _IncomingUDF(PythonUDF):
     rpc_observe_start: float  # perf_counter() when its unpickling started
 
 
+def _finish_echoed(call: calls.Call, obj: Any, end_ns: int, callee_ns: int) -> None:
+    """The C fast path's way out for an echoed response it does not end inline (an error, a profiler)."""
+    call.finish(end_ns, calls.remote_error(obj), callee_ns)
+
+
+# `deserialize`'s fast paths in C (hooks/_core.c) where built; the Python ones below are their reference.
+_NOT_HANDLED = object()
+_core = trailer.core
+
+
+def configure_core(time_ns: Callable[[], int]) -> None:
+    """Hands the C fast paths the tables and functions they use, and their clock (a test's, in tests)."""
+    if _core is not None:
+        _core.configure(_in_flight, _finished_append, fold_message, fold_split, fold_finished, RemoteException,
+                        PythonUDF, _IncomingUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns)
+
+
+configure_core(_time_ns)
+_handle = _core.handle if _core is not None else None
+
+
 def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps `_InternalRPCPickler.serialize(obj)`: counts the message, appends the trailer."""
 
@@ -201,8 +222,13 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
         # times its warm cost (BENCHMARKS.md). The commonest messages, a request with our
         # trailer and the echoed response to one of our calls (ended here), take no call of ours.
         try:
+            if _handle is not None:  # the same fast paths in C (hooks/_core.c), where built
+                handled = _handle(runtime, obj, binary_data, tensor_table, start, seconds)
+                if handled is not _NOT_HANDLED:
+                    return handled
+                return _on_other_message(runtime, obj, binary_data, tensor_table, start, seconds)
             data, tensors = binary_data, tensor_table
-            parsed = _parse(data)  # the trailer: `trailer.parse`, in C where built
+            parsed = _parse(data)  # the trailer: `trailer.parse`
             if parsed is not None:
                 if len(parsed) == 3:  # a response that echoes a call id: `(pickle size, call id, callee µs or -1)`
                     call = _in_flight.pop(parsed[1], None)

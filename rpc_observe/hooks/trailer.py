@@ -37,6 +37,7 @@ KIND, SRC, MODE, CALL_ID, CONTEXT = 0, 1, 2, 3, 4
 RESPONSE_CALL_ID = 1
 RESPONSE_CALLEE_US = 2  # optional
 MAX_CALL_ID_DIGITS = 20
+MAX_CALLEE_US_DIGITS = 18  # 31,000 years; what a C long long holds in full
 
 
 def request_head(src: str, mode: str) -> str:
@@ -88,7 +89,9 @@ def parse(data: bytes) -> Parsed | None:
         echo, _, callee_us = payload[_PREFIX_SIZE:].partition(_SEP_BYTES)
         if echo.isdigit() and len(echo) <= MAX_CALL_ID_DIGITS and (
                 not callee_us or (callee_us.isdigit() and len(callee_us) <= MAX_CALL_ID_DIGITS)):
-            return len(data) - size - OVERHEAD, int(echo), int(callee_us) if callee_us else -1
+            # The callee's time: -1 if not given, or past MAX_CALLEE_US_DIGITS (no real call: a broken peer).
+            known = callee_us and len(callee_us) <= MAX_CALLEE_US_DIGITS
+            return len(data) - size - OVERHEAD, int(echo), int(callee_us) if known else -1
     elif prefix == REQUEST_PREFIX:
         try:
             fields = bytes(payload).decode("utf-8").split(SEP)

@@ -55,3 +55,26 @@ def metrics_runtime(tmp_path: Path) -> Iterator[runtime.Runtime]:
 
     calls.in_flight.clear()
     rt.close()
+
+
+@pytest.fixture(params=["python", "c"])
+def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The pickler's hot paths with the Python codec and fast paths (the reference), then with the C
+    ones (hooks/_core.c, where built), whose clock is then `pickler._time_ns` (which tests replace)."""
+    from rpc_observe.hooks import pickler, trailer
+
+    core = trailer.core
+    if request.param == "c" and core is None:
+        pytest.skip("the C core is not built here (or RPC_OBSERVE_NO_EXTENSIONS=1)")
+    python = request.param == "python"
+    monkeypatch.setattr(pickler, "_request_trailer", trailer.request_trailer if python else core.request_trailer)
+    monkeypatch.setattr(pickler, "_response_trailer", trailer.response_trailer if python else core.response_trailer)
+    monkeypatch.setattr(pickler, "_parse", trailer.parse)
+    monkeypatch.setattr(pickler, "_handle", None if python else core.handle)
+    if not python:
+        pickler.configure_core(lambda: pickler._time_ns())
+    yield str(request.param)
+    if not python:
+        import time
+
+        pickler.configure_core(time.time_ns)  # not pickler._time_ns: the test's replacement may still be there

@@ -105,7 +105,7 @@ RESULTS = {"value": lambda: {"a": 1}, "remote_error": lambda: RemoteException("b
 @pytest.mark.parametrize("callee_us", ["", "1234"], ids=["no_callee_time", "callee_time"])
 @pytest.mark.parametrize("result", RESULTS)
 def test_the_response_fast_path_ends_a_call_as_call_finish_does(
-        world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch, callee_us: str, result: str) -> None:
+        world: runtime.Runtime, codec: str, monkeypatch: pytest.MonkeyPatch, callee_us: str, result: str) -> None:
     site = ClientSite(world, noop, "sync", "worker1")
     obj = RESULTS[result]()
     tensors = [torch.ones(4)]
