@@ -214,9 +214,10 @@ utf8(PyObject *text)
     return PyUnicode_AsEncodedString(text, "utf-8", "replace");
 }
 
-/* payload (cut to MAX_PAYLOAD) + its length (2 bytes, little endian) + MAGIC; `parts` are bytes objects. */
+/* `prefix` (a message, or nothing) + payload (`parts`, bytes objects, cut to MAX_PAYLOAD) + its length (2 bytes,
+ * little endian) + MAGIC, in one new bytes object; `*payload_size` (if given) gets the payload's size. */
 static PyObject *
-pack(PyObject *const *parts, int count)
+pack(const char *prefix, Py_ssize_t prefix_size, PyObject *const *parts, int count, Py_ssize_t *payload_size)
 {
     Py_ssize_t size = 0;
     for (int i = 0; i < count; i++) {
@@ -225,11 +226,19 @@ pack(PyObject *const *parts, int count)
     if (size > MAX_PAYLOAD) {
         size = MAX_PAYLOAD;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, size + OVERHEAD);
+    if (prefix_size > PY_SSIZE_T_MAX - size - OVERHEAD) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, prefix_size + size + OVERHEAD);
     if (out == NULL) {
         return NULL;
     }
     char *w = PyBytes_AS_STRING(out);
+    if (prefix_size > 0) {
+        memcpy(w, prefix, (size_t)prefix_size);
+        w += prefix_size;
+    }
     Py_ssize_t left = size;
     for (int i = 0; i < count && left > 0; i++) {
         Py_ssize_t n = PyBytes_GET_SIZE(parts[i]);
@@ -243,6 +252,9 @@ pack(PyObject *const *parts, int count)
     w[0] = (char)(size & 0xff);
     w[1] = (char)(size >> 8);
     memcpy(w + LENGTH_SIZE, MAGIC, MAGIC_SIZE);
+    if (payload_size != NULL) {
+        *payload_size = size;
+    }
     return out;
 }
 
@@ -263,74 +275,85 @@ PyDoc_STRVAR(request_trailer_doc,
 "request_trailer(head, call_id, context, /)\n--\n\n"
 "trailer.request_trailer: `head`, the call id (0: none), SEP and `context` (if any), packed.");
 
+/* `prefix` + the trailer of a request: `head`, the call id (0: none), SEP and `context` (if not empty). */
 static PyObject *
-request_trailer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+pack_request(const char *prefix, Py_ssize_t prefix_size, PyObject *head, PyObject *call_id, PyObject *context,
+             Py_ssize_t *payload_size)
 {
-    if (nargs != 3 || !PyLong_Check(args[1]) || !PyUnicode_Check(args[2])) {
+    if (!PyLong_Check(call_id) || !PyUnicode_Check(context)) {
         PyErr_SetString(PyExc_TypeError, "request_trailer(head: str, call_id: int, context: str)");
         return NULL;
     }
     PyObject *parts[4] = {NULL, NULL, NULL, NULL};
     int count = 0;
     PyObject *result = NULL;
-    if ((parts[count++] = utf8(args[0])) == NULL) {
+    if ((parts[count++] = utf8(head)) == NULL) {
         goto done;
     }
-    int nonzero = PyObject_IsTrue(args[1]);
+    int nonzero = PyObject_IsTrue(call_id);
     if (nonzero < 0) {
         goto done;
     }
-    if (nonzero && (parts[count++] = decimal(args[1])) == NULL) {
+    if (nonzero && (parts[count++] = decimal(call_id)) == NULL) {
         goto done;
     }
-    if (PyUnicode_GET_LENGTH(args[2]) > 0) {
-        if ((parts[count++] = PyBytes_FromStringAndSize("\x1f", 1)) == NULL ||
-            (parts[count++] = utf8(args[2])) == NULL) {
+    if (PyUnicode_GET_LENGTH(context) > 0) {
+        if ((parts[count++] = PyBytes_FromStringAndSize("\x1f", 1)) == NULL || (parts[count++] = utf8(context)) == NULL) {
             goto done;
         }
     }
-    result = pack(parts, count);
+    result = pack(prefix, prefix_size, parts, count, payload_size);
 done:
     for (int i = 0; i < 4; i++) {
         Py_XDECREF(parts[i]);
     }
     return result;
+}
+
+static PyObject *
+request_trailer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "request_trailer(head: str, call_id: int, context: str)");
+        return NULL;
+    }
+    return pack_request(NULL, 0, args[0], args[1], args[2], NULL);
 }
 
 PyDoc_STRVAR(response_trailer_doc,
 "response_trailer(call_id, callee_us, /)\n--\n\n"
 "trailer.response_trailer: `r`, the echoed call id and, if >= 0, the callee's time in us, packed.");
 
+/* `prefix` + the trailer of a response: `r`, the echoed call id and, if >= 0, the callee's time in us. */
 static PyObject *
-response_trailer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+pack_response(const char *prefix, Py_ssize_t prefix_size, PyObject *call_id, PyObject *callee_us)
 {
-    if (nargs != 2 || !PyLong_Check(args[1])) {
+    if (!PyLong_Check(callee_us)) {
         PyErr_SetString(PyExc_TypeError, "response_trailer(call_id: str, callee_us: int)");
         return NULL;
     }
     PyObject *parts[4] = {NULL, NULL, NULL, NULL};
     int count = 0;
     PyObject *result = NULL;
-    if ((parts[count++] = PyBytes_FromStringAndSize("r\x1f", 2)) == NULL ||
-        (parts[count++] = utf8(args[0])) == NULL) {
+    if ((parts[count++] = PyBytes_FromStringAndSize("r\x1f", 2)) == NULL || (parts[count++] = utf8(call_id)) == NULL) {
         goto done;
     }
     PyObject *zero = PyLong_FromLong(0);
     if (zero == NULL) {
         goto done;
     }
-    int timed = PyObject_RichCompareBool(args[1], zero, Py_GE);
+    int timed = PyObject_RichCompareBool(callee_us, zero, Py_GE);
     Py_DECREF(zero);
     if (timed < 0) {
         goto done;
     }
     if (timed) {
         if ((parts[count++] = PyBytes_FromStringAndSize("\x1f", 1)) == NULL ||
-            (parts[count++] = decimal(args[1])) == NULL) {
+            (parts[count++] = decimal(callee_us)) == NULL) {
             goto done;
         }
     }
-    result = pack(parts, count);
+    result = pack(prefix, prefix_size, parts, count, NULL);
 done:
     for (int i = 0; i < 4; i++) {
         Py_XDECREF(parts[i]);
@@ -338,6 +361,15 @@ done:
     return result;
 }
 
+static PyObject *
+response_trailer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "response_trailer(call_id: str, callee_us: int)");
+        return NULL;
+    }
+    return pack_response(NULL, 0, args[0], args[1]);
+}
 
 /* ---- The pickler's hot path: what `pickler.deserialize` does after torch unpickled a message ---- */
 
@@ -353,11 +385,16 @@ static struct {
     PyObject *finish_call;  /* pickler._finish_echoed(call, obj, end_ns, callee_ns): the reference ending */
     PyObject *not_handled;  /* what `handle` returns for the general path */
     PyObject *time_ns;  /* time.time_ns (a test's clock in tests) */
+    PyObject *local;  /* calls.local: .call, the client call being serialized on this thread */
+    PyObject *next_id;  /* calls.next_id */
+    PyObject *pending_replies;  /* calls.pending_replies */
+    Py_ssize_t max_in_flight;  /* calls.MAX_IN_FLIGHT */
 } refs;
 
 static PyObject *s_site, *s_record, *s_response_cells, *s_received, *s_cells, *s_rf, *s_profiler, *s_armed,
     *s_start_ns, *s_id, *s_span, *s_callee_ns, *s_tracer, *s_end, *s_metrics, *s_request_cells_attr,
-    *s_fields, *s_start, *s_nbytes, *s_untyped_storage, *s_numel, *s_element_size;
+    *s_fields, *s_start, *s_nbytes, *s_untyped_storage, *s_numel, *s_element_size, *s_call, *s_context_text,
+    *s_echoed, *s_trailer_head, *s_request_cells, *s_sent_bytes;
 
 static int
 intern_names(void)
@@ -369,6 +406,8 @@ intern_names(void)
         {&s_tracer, "tracer"}, {&s_end, "end"}, {&s_metrics, "metrics"}, {&s_request_cells_attr, "request_cells"},
         {&s_fields, "rpc_observe_fields"}, {&s_start, "rpc_observe_start"}, {&s_nbytes, "nbytes"},
         {&s_untyped_storage, "untyped_storage"}, {&s_numel, "numel"}, {&s_element_size, "element_size"},
+        {&s_call, "call"}, {&s_context_text, "context_text"}, {&s_echoed, "echoed"}, {&s_trailer_head, "trailer_head"},
+        {&s_request_cells, "request_cells"}, {&s_sent_bytes, "sent_bytes"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
@@ -380,26 +419,35 @@ intern_names(void)
 
 PyDoc_STRVAR(configure_doc,
 "configure(in_flight, finished_append, fold_message, fold_split, fold_finished, remote_exception, python_udf,\n"
-"          incoming_udf, request_cells, finish_call, not_handled, time_ns, /)\n--\n\n"
-"Hands the hot path its tables and functions (pickler.py calls it once, at import).");
+"          incoming_udf, request_cells, finish_call, not_handled, time_ns, local, next_id, pending_replies,\n"
+"          max_in_flight, /)\n--\n\n"
+"Hands the hot paths their tables and functions (pickler.py calls it once, at import).");
 
 static PyObject *
 configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject **slots[] = {&refs.in_flight, &refs.finished_append, &refs.fold_message, &refs.fold_split,
                           &refs.fold_finished, &refs.remote_exception, &refs.python_udf, &refs.incoming_udf,
-                          &refs.request_cells, &refs.finish_call, &refs.not_handled, &refs.time_ns};
-    if (nargs != (Py_ssize_t)(sizeof(slots) / sizeof(slots[0]))) {
-        PyErr_SetString(PyExc_TypeError, "configure takes 12 arguments");
+                          &refs.request_cells, &refs.finish_call, &refs.not_handled, &refs.time_ns, &refs.local,
+                          &refs.next_id, &refs.pending_replies};
+    Py_ssize_t count = (Py_ssize_t)(sizeof(slots) / sizeof(slots[0]));
+    if (nargs != count + 1) {
+        PyErr_SetString(PyExc_TypeError, "configure takes 16 arguments");
         return NULL;
     }
-    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7])) {
-        PyErr_SetString(PyExc_TypeError, "configure: in_flight must be a dict, the three classes types");
+    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7]) ||
+        !PyDict_Check(args[14])) {
+        PyErr_SetString(PyExc_TypeError, "configure: in_flight and pending_replies must be dicts, the classes types");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < nargs; i++) {
+    Py_ssize_t max_in_flight = PyLong_AsSsize_t(args[count]);
+    if (max_in_flight == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
         Py_XSETREF(*slots[i], Py_NewRef(args[i]));
     }
+    refs.max_in_flight = max_in_flight;
     Py_RETURN_NONE;
 }
 
@@ -703,10 +751,178 @@ handle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* A request this thread's client call pickled: its trailer, its message record, the call in the table. */
+static PyObject *
+send_request(PyObject *runtime, PyObject *call, PyObject *data, PyObject *tensors, double seconds)
+{
+    PyObject *site = NULL, *span = NULL, *context = NULL, *echoed = NULL, *call_id = NULL, *head = NULL;
+    PyObject *message = NULL, *record = NULL, *cells = NULL, *client_cells = NULL, *sent = NULL, *result = NULL;
+    if ((site = GET(call, s_site)) == NULL || (span = GET(call, s_span)) == NULL) {
+        goto done;
+    }
+    if (span != Py_None) {
+        PyObject *tracer = GET(runtime, s_tracer);
+        context = tracer != NULL ? PyObject_CallMethodOneArg(tracer, s_context_text, span) : NULL;
+        Py_XDECREF(tracer);
+    }
+    else {
+        context = PyUnicode_FromStringAndSize(NULL, 0);
+    }
+    if (context == NULL || (echoed = GET(site, s_echoed)) == NULL) {
+        goto done;
+    }
+    int echo = PyObject_IsTrue(echoed);
+    if (echo < 0) {
+        goto done;
+    }
+    call_id = echo && PyDict_GET_SIZE(refs.in_flight) < refs.max_in_flight ? PyObject_CallNoArgs(refs.next_id)
+                                                                            : PyLong_FromLong(0);
+    Py_ssize_t payload = 0;
+    if (call_id == NULL || (head = GET(site, s_trailer_head)) == NULL ||
+        (message = pack_request(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), head, call_id, context,
+                                &payload)) == NULL ||
+        (record = GET(site, s_record)) == NULL) {
+        goto done;
+    }
+    if (record != Py_None) {
+        if ((cells = GET(site, s_request_cells)) == NULL || (client_cells = GET(site, s_cells)) == NULL ||
+            (sent = GET(client_cells, s_sent_bytes)) == NULL ||
+            record_message(record, cells, PyBytes_GET_SIZE(data), tensors, seconds, sent,
+                           PyBytes_GET_SIZE(message)) < 0) {
+            goto done;
+        }
+    }
+    int nonzero = PyObject_IsTrue(call_id);
+    if (nonzero < 0 || (nonzero && (PyObject_SetAttr(call, s_id, call_id) < 0 ||
+                                    PyDict_SetItem(refs.in_flight, call_id, call) < 0))) {
+        goto done;  /* in the table only once nothing of ours can fail before the request leaves */
+    }
+    result = PyTuple_Pack(2, message, tensors);
+done:
+    Py_XDECREF(site);
+    Py_XDECREF(span);
+    Py_XDECREF(context);
+    Py_XDECREF(echoed);
+    Py_XDECREF(call_id);
+    Py_XDECREF(head);
+    Py_XDECREF(message);
+    Py_XDECREF(record);
+    Py_XDECREF(cells);
+    Py_XDECREF(client_cells);
+    Py_XDECREF(sent);
+    return result;
+}
+
+/* The response of the UDF this thread ran: the echo and the callee's time, and its message record. */
+static PyObject *
+send_response(PyObject *reply, PyObject *data, PyObject *tensors, double start, double seconds)
+{
+    if (!PyTuple_Check(reply) || PyTuple_GET_SIZE(reply) != 3) {
+        PyErr_SetString(PyExc_TypeError, "a pending reply is (site, call id, request start)");
+        return NULL;
+    }
+    PyObject *site = PyTuple_GET_ITEM(reply, 0), *echo = PyTuple_GET_ITEM(reply, 1);
+    double request_start = PyFloat_AsDouble(PyTuple_GET_ITEM(reply, 2));
+    if (request_start == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *message = NULL, *callee = NULL, *record = NULL, *cells = NULL, *result = NULL;
+    int echoed = PyObject_IsTrue(echo);
+    if (echoed < 0) {
+        return NULL;
+    }
+    if (echoed) {  /* the callee's time: from unpickling the request to having pickled this response */
+        callee = request_start != 0.0 ? PyLong_FromDouble((start + seconds - request_start) * 1e6) : PyLong_FromLong(-1);
+        if (callee == NULL ||
+            (message = pack_response(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), echo, callee)) == NULL) {
+            goto done;
+        }
+    }
+    else {
+        message = Py_NewRef(data);
+    }
+    if ((record = GET(site, s_record)) == NULL) {
+        goto done;
+    }
+    if (record != Py_None) {
+        if ((cells = GET(site, s_response_cells)) == NULL ||
+            record_message(record, cells, PyBytes_GET_SIZE(data), tensors, seconds, NULL, 0) < 0) {
+            goto done;
+        }
+    }
+    result = PyTuple_Pack(2, message, tensors);
+done:
+    Py_XDECREF(message);
+    Py_XDECREF(callee);
+    Py_XDECREF(record);
+    Py_XDECREF(cells);
+    return result;
+}
+
+PyDoc_STRVAR(serialized_doc,
+"serialized(runtime, obj, data, tensors, start, seconds, /)\n--\n\n"
+"pickler.serialize's fast paths after torch pickled `obj` into `data`: a client call's request, or the\n"
+"response of the UDF this thread ran; returns what torch gets, or `not_handled` (configure) for the\n"
+"general path, before anything was taken or changed.");
+
+static PyObject *
+serialized(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "serialized takes 6 arguments");
+        return NULL;
+    }
+    if (refs.not_handled == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_core.configure was not called");
+        return NULL;
+    }
+    PyObject *runtime = args[0], *obj = args[1], *data = args[2], *tensors = args[3];
+    double start = PyFloat_AsDouble(args[4]), seconds = PyFloat_AsDouble(args[5]);
+    if ((start == -1.0 || seconds == -1.0) && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(data)) {
+        return Py_NewRef(refs.not_handled);
+    }
+    if (Py_IS_TYPE(obj, (PyTypeObject *)refs.python_udf)) {
+        PyObject *call = PyObject_GetAttr(refs.local, s_call);
+        if (call == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                return NULL;
+            }
+            PyErr_Clear();
+        }
+        else if (call != Py_None) {
+            PyObject *result = send_request(runtime, call, data, tensors, seconds);
+            Py_DECREF(call);
+            return result;
+        }
+        else {
+            Py_DECREF(call);
+        }
+    }
+    PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());  /* threading.get_ident() */
+    if (thread == NULL) {
+        return NULL;
+    }
+    PyObject *reply = PyDict_GetItemWithError(refs.pending_replies, thread);
+    if (reply == NULL) {
+        Py_DECREF(thread);
+        return PyErr_Occurred() ? NULL : Py_NewRef(refs.not_handled);  /* an RRef fetch's reply, or not ours */
+    }
+    Py_INCREF(reply);
+    int deleted = PyDict_DelItem(refs.pending_replies, thread);
+    Py_DECREF(thread);
+    PyObject *result = deleted < 0 ? NULL : send_response(reply, data, tensors, start, seconds);
+    Py_DECREF(reply);
+    return result;
+}
+
 static PyMethodDef core_methods[] = {
     {"parse", parse, METH_O, parse_doc},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
     {"handle", (PyCFunction)(void (*)(void))handle, METH_FASTCALL, handle_doc},
+    {"serialized", (PyCFunction)(void (*)(void))serialized, METH_FASTCALL, serialized_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},
     {NULL, NULL, 0, NULL},

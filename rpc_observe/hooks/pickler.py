@@ -147,11 +147,13 @@ def configure_core(time_ns: Callable[[], int]) -> None:
     """Hands the C fast paths the tables and functions they use, and their clock (a test's, in tests)."""
     if _core is not None:
         _core.configure(_in_flight, _finished_append, fold_message, fold_split, fold_finished, RemoteException,
-                        PythonUDF, _IncomingUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns)
+                        PythonUDF, _IncomingUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns, _local,
+                        _next_id, _pending_replies, _MAX_IN_FLIGHT)
 
 
 configure_core(_time_ns)
 _handle = _core.handle if _core is not None else None
+_serialized = _core.serialized if _core is not None else None
 
 
 def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -166,6 +168,10 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
         seconds = _perf_counter() - start
         # Inline on purpose, like `deserialize`: see there.
         try:
+            if _serialized is not None:  # the same fast paths in C (hooks/_core.c), where built
+                handled = _serialized(runtime, obj, data, tensors, start, seconds)
+                if handled is not _NOT_HANDLED:
+                    return handled
             call = getattr(_local, "call", None) if type(obj) is PythonUDF else None
             if call is not None:  # a request
                 site = call.site

@@ -71,6 +71,7 @@ def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     monkeypatch.setattr(pickler, "_response_trailer", trailer.response_trailer if python else core.response_trailer)
     monkeypatch.setattr(pickler, "_parse", trailer.parse)
     monkeypatch.setattr(pickler, "_handle", None if python else core.handle)
+    monkeypatch.setattr(pickler, "_serialized", None if python else core.serialized)
     if not python:
         pickler.configure_core(lambda: pickler._time_ns())
     yield str(request.param)

@@ -62,21 +62,24 @@ def _span(span: tracing.SpanRecord) -> tuple[Any, ...]:
             span.end_ns, span.error_type, span.error_message, span.callee_ns)
 
 
-def _effects(rt: runtime.Runtime) -> dict[str, Any]:
-    """What the ending left, taken out of the runtime so that the next ending starts from nothing."""
+def _effects(rt: runtime.Runtime, messages: bool = False) -> dict[str, Any]:
+    """What the ending left (with `messages`, also every record, messages' too, as "records_all"), taken out of
+    the runtime so that the next ending starts from nothing."""
     records = list(rt.metrics._records) if rt.metrics is not None else []
     errors = ({family.declaration.name: {k: list(v) for k, v in family.children.items()}
                for family in (rt.metrics.client_errors, rt.metrics.server_errors)} if rt.metrics is not None else {})
+    # a record's span (an exemplar) compared by its fields
+    records = [tuple(_span(x) if isinstance(x, tracing.SpanRecord) else x for x in r) for r in records]
     effects = {
-        # the message itself is counted either way; a record's span (an exemplar) compared by its fields
-        "records": [tuple(_span(x) if isinstance(x, tracing.SpanRecord) else x for x in r) for r in records
-                    if r[0] is not fold_message],
+        "records": [r for r in records if r[0] is not fold_message],  # the message is counted either way
         "errors": errors,
         "spans": [_span(s) for s in rt.tracer._queue] if rt.tracer is not None else [],
         "profiler": [e[:5] for e in rt.profiler._ring] if rt.profiler is not None else [],  # not the trace ids
         "finished": [(site, start, end, error) for site, _, start, end, error in calls.finished],
         "internal_errors": dict(health.internal_errors),
     }
+    if messages:
+        effects["records_all"] = records
     if rt.metrics is not None:
         rt.metrics._records.clear()
         for family in (rt.metrics.client_errors, rt.metrics.server_errors):
@@ -182,3 +185,81 @@ def test_fold_split_folds_the_duration_as_fold_finished() -> None:
             assert (split.exemplars.count(None) == 20) is (span is None)
             assert sum(split.callee[:-1]) == sum(split.outside[:-1]) == 1
             assert split.callee[-1] + split.outside[-1] == pytest.approx(max(seconds, callee))
+
+
+needs_core = pytest.mark.skipif(trailer.core is None, reason="the C core is not built here")
+TENSOR_TABLES = {"tensors": lambda: [torch.ones(4), torch.zeros(1000, 10)[0]]}  # a small view of a big storage
+
+
+def _serialize_both_ways(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch, obj: Any,
+                         before: Any) -> list[tuple[Any, ...]]:
+    """Pickles `obj` through the serialize wrapper with the Python fast paths, then with the C ones, each after
+    `before()` (which sets up the thread's call or pending reply and returns what to compare it by), at the same
+    perf_counter readings; returns per way: the message, what `before` gave, the records and the spans."""
+    assert trailer.core is not None
+    outcomes = []
+    for fast_path in (None, trailer.core.serialized):
+        monkeypatch.setattr(pickler, "_serialized", fast_path)
+        monkeypatch.setattr(pickler, "_perf_counter", iter([20.0, 20.25]).__next__)
+        tensors = TENSOR_TABLES["tensors"]()
+        seen = before()
+        data, handed = pickler.wrap_serialize(lambda self, o, t=tensors: (b"PICKLE.", t))(None, obj)
+        assert handed is tensors and data.startswith(b"PICKLE.")
+        outcomes.append((data, seen, _effects(world, messages=True)))
+    return outcomes
+
+
+@needs_core
+def test_the_request_fast_path_in_c_is_the_python_one(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same trailer (its call id and context those of each way's own call), record and call table."""
+    site = ClientSite(world, noop, "sync", "worker1")
+    started: list[calls.Call] = []
+
+    def before() -> None:
+        call = calls.Call(world, site)
+        _effects(world)  # the start is not the request
+        started.append(call)
+        calls.local.call = call
+
+    try:
+        ways = _serialize_both_ways(world, monkeypatch, PythonUDF(noop, (), {}), before)
+    finally:
+        calls.local.call = None
+    views = []
+    for (data, _, effects), call in zip(ways, started):
+        size, fields = trailer.split(data)
+        assert fields is not None and fields[trailer.CALL_ID] == str(call.id) and calls.in_flight[call.id] is call
+        context = world.tracer.context_text(call.span) if world.tracer is not None else None
+        assert fields[trailer.CONTEXT:] == ([context] if context else [])
+        records = [r[:8] + (r[8] - len(data),) for r in effects.pop("records_all")]  # wire bytes, less the message
+        views.append((data[:size], fields[:trailer.CALL_ID], records, effects))
+    assert views[0] == views[1]
+    assert bool(views[0][2]) is (world.metrics is not None)
+
+
+@needs_core
+@pytest.mark.parametrize(("echo", "request_start"), [("17", 19.5), ("17", 0.0), ("", 19.5)])
+def test_the_response_fast_path_in_c_is_the_python_one(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch,
+                                                       echo: str, request_start: float) -> None:
+    """The same bytes (the echo and the callee's time), record, and the pending reply taken."""
+    site = server.ServerSite(world, noop, "worker1", "sync")
+
+    def before() -> None:
+        calls.pending_replies[pickler._thread_id()] = (site, echo, request_start)
+
+    python, c = _serialize_both_ways(world, monkeypatch, {"a": 1}, before)
+    assert python == c and not calls.pending_replies
+    data, _, effects = python
+    assert data.endswith(trailer.MAGIC) is bool(echo)
+    if echo:
+        expected = 750_000 if request_start else -1  # (20.0 + 0.25 - 19.5) s in us
+        assert trailer.parse(data) == (len(b"PICKLE."), 17, expected)
+    assert bool(effects["records_all"]) is (world.metrics is not None)
+
+
+@needs_core
+def test_a_reply_that_is_none_of_ours_goes_the_general_path_either_way(world: runtime.Runtime,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """No call and no pending reply on this thread (an RRef fetch's reply): the C path leaves it to Python."""
+    python, c = _serialize_both_ways(world, monkeypatch, {"a": 1}, lambda: None)
+    assert python == c and python[0] == b"PICKLE."
