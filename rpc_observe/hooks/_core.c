@@ -10,6 +10,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <string.h>
 
 #define MAGIC "\x00rpcobs1"
@@ -918,11 +919,277 @@ serialized(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* ---- The pickler's two methods as C objects: no Python frame of ours per message ---- */
+
+/* What `configure_hooks` hands over once (strong references). */
+static struct {
+    PyObject *runtime_module;  /* telemetry.runtime: `.current`, the Runtime or None */
+    PyObject *perf_counter;  /* time.perf_counter (a test's clock in tests) */
+    PyObject *internal_error;  /* health.internal_error(where) */
+    PyObject *on_other_message;  /* pickler._on_other_message: deserialize's general path */
+    PyObject *serialize_other;  /* pickler._serialize_other: serialize's general path */
+    PyObject *where_serialize, *where_deserialize;  /* "serialize", "deserialize" */
+} hook_refs;
+
+static PyObject *s_current;
+
+/* The exception being raised, taken (PyErr_GetRaisedException of 3.12, for 3.11). */
+static PyObject *
+raised(void)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (value != NULL && traceback != NULL) {
+        PyException_SetTraceback(value, traceback);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    return value;
+}
+
+/* Counts the exception being raised in our code (health.internal_error, with it as the one being handled, as
+ * in an except block) and clears it; an exception that is not an Exception (KeyboardInterrupt) stays raised. */
+static int
+swallow(PyObject *where)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
+    PyObject *exc = raised();
+    PyObject *before = PyErr_GetHandledException();
+    PyErr_SetHandledException(exc);
+    PyObject *done = PyObject_CallOneArg(hook_refs.internal_error, where);
+    PyErr_SetHandledException(before);
+    Py_XDECREF(before);
+    Py_XDECREF(exc);
+    if (done == NULL) {
+        PyErr_Clear();  /* never raise ours into torch */
+    }
+    Py_XDECREF(done);
+    return 0;
+}
+
+static int
+read_clock(double *out)
+{
+    PyObject *now = PyObject_CallNoArgs(hook_refs.perf_counter);
+    if (now == NULL) {
+        return -1;
+    }
+    *out = PyFloat_AsDouble(now);
+    Py_DECREF(now);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+enum hook_kind { SERIALIZE, DESERIALIZE };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *original;
+    PyObject *dict;  /* functools.update_wrapper's attributes, and _patching's */
+    int kind;
+    vectorcallfunc vectorcall;
+} Hook;
+
+static PyObject *
+hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Hook *self = (Hook *)op;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t wanted = self->kind == SERIALIZE ? 2 : 3;  /* (pickler, obj) or (pickler, data, tensors) */
+    PyObject *runtime = NULL;
+    if (kwnames == NULL && nargs == wanted && hook_refs.runtime_module != NULL) {
+        runtime = PyObject_GetAttr(hook_refs.runtime_module, s_current);
+        if (runtime == NULL) {
+            PyErr_Clear();
+        }
+    }
+    if (runtime == NULL || runtime == Py_None) {  /* off, or a call we do not know: torch's own */
+        Py_XDECREF(runtime);
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    }
+    double start = 0.0, end = 0.0;
+    PyObject *where = self->kind == SERIALIZE ? hook_refs.where_serialize : hook_refs.where_deserialize;
+    if (read_clock(&start) < 0 && swallow(where) < 0) {
+        Py_DECREF(runtime);
+        return NULL;
+    }
+    PyObject *out = PyObject_Vectorcall(self->original, args, nargsf, NULL);
+    if (out == NULL) {  /* torch's error, raised as it is */
+        Py_DECREF(runtime);
+        return NULL;
+    }
+    if (read_clock(&end) < 0) {
+        if (swallow(where) < 0) {
+            Py_DECREF(out);
+            Py_DECREF(runtime);
+            return NULL;
+        }
+        Py_DECREF(runtime);
+        return out;
+    }
+    PyObject *call_args[6];
+    PyObject *start_obj = PyFloat_FromDouble(start), *seconds_obj = PyFloat_FromDouble(end - start);
+    PyObject *result = NULL;
+    if (start_obj == NULL || seconds_obj == NULL) {
+        goto failed;
+    }
+    if (self->kind == SERIALIZE) {
+        if (!PyTuple_CheckExact(out) || PyTuple_GET_SIZE(out) != 2) {  /* not (data, tensors): not ours to read */
+            result = Py_NewRef(out);
+            goto done;
+        }
+        call_args[0] = runtime, call_args[1] = args[1], call_args[2] = PyTuple_GET_ITEM(out, 0);
+        call_args[3] = PyTuple_GET_ITEM(out, 1), call_args[4] = start_obj, call_args[5] = seconds_obj;
+        result = serialized(NULL, call_args, 6);
+        if (result == refs.not_handled) {
+            Py_DECREF(result);
+            call_args[4] = seconds_obj;  /* _serialize_other(runtime, obj, data, tensors, seconds) */
+            result = PyObject_Vectorcall(hook_refs.serialize_other, call_args, 5, NULL);
+        }
+    }
+    else {
+        call_args[0] = runtime, call_args[1] = out, call_args[2] = args[1], call_args[3] = args[2];
+        call_args[4] = start_obj, call_args[5] = seconds_obj;
+        result = handle(NULL, call_args, 6);
+        if (result == refs.not_handled) {
+            Py_DECREF(result);
+            result = PyObject_Vectorcall(hook_refs.on_other_message, call_args, 6, NULL);
+        }
+    }
+    if (result != NULL) {
+        goto done;
+    }
+failed:
+    if (swallow(where) < 0) {
+        Py_CLEAR(out);
+    }
+    else {
+        result = Py_NewRef(out);  /* what torch made, untouched */
+    }
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(start_obj);
+    Py_XDECREF(seconds_obj);
+    Py_DECREF(runtime);
+    return result;
+}
+
+static PyObject *
+hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *original;
+    int kind;
+    if (!PyArg_ParseTuple(args, "Oi:Hook", &original, &kind)) {
+        return NULL;
+    }
+    if (kind != SERIALIZE && kind != DESERIALIZE) {
+        PyErr_SetString(PyExc_ValueError, "Hook kind: 0 (serialize) or 1 (deserialize)");
+        return NULL;
+    }
+    Hook *self = (Hook *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->original = Py_NewRef(original);
+    self->kind = kind;
+    self->vectorcall = hook_call;
+    return (PyObject *)self;
+}
+
+static int
+hook_traverse(Hook *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->original);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+hook_clear(Hook *self)
+{
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+hook_dealloc(Hook *self)
+{
+    PyObject_GC_UnTrack(self);
+    hook_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A method on a class: bound to the instance, as a function would be. */
+static PyObject *
+hook_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None) {
+        return Py_NewRef(self);
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyGetSetDef hook_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef hook_members[] = {
+    {"original", T_OBJECT, offsetof(Hook, original), READONLY, "the method it wraps"},
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Hook, vectorcall), READONLY, NULL},
+    {"__dictoffset__", T_PYSSIZET, offsetof(Hook, dict), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject HookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rpc_observe.hooks._core.Hook",
+    .tp_doc = "Hook(original, kind): _InternalRPCPickler.serialize (kind 0) or deserialize (kind 1), wrapped\n"
+              "(pickler.wrap_serialize / wrap_deserialize, in C).",
+    .tp_basicsize = sizeof(Hook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = hook_new,
+    .tp_dealloc = (destructor)hook_dealloc,
+    .tp_traverse = (traverseproc)hook_traverse,
+    .tp_clear = (inquiry)hook_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Hook, vectorcall),
+    .tp_descr_get = hook_get,
+    .tp_dictoffset = offsetof(Hook, dict),
+    .tp_getset = hook_getset,
+    .tp_members = hook_members,
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+};
+
+PyDoc_STRVAR(configure_hooks_doc,
+"configure_hooks(runtime_module, perf_counter, internal_error, on_other_message, serialize_other, /)\n--\n\n"
+"Hands the Hook objects what they use besides `configure`'s (pickler.py calls it once, at import).");
+
+static PyObject *
+configure_hooks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "configure_hooks takes 5 arguments");
+        return NULL;
+    }
+    PyObject **slots[] = {&hook_refs.runtime_module, &hook_refs.perf_counter, &hook_refs.internal_error,
+                          &hook_refs.on_other_message, &hook_refs.serialize_other};
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef core_methods[] = {
     {"parse", parse, METH_O, parse_doc},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
     {"handle", (PyCFunction)(void (*)(void))handle, METH_FASTCALL, handle_doc},
     {"serialized", (PyCFunction)(void (*)(void))serialized, METH_FASTCALL, serialized_doc},
+    {"configure_hooks", (PyCFunction)(void (*)(void))configure_hooks, METH_FASTCALL, configure_hooks_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},
     {NULL, NULL, 0, NULL},
@@ -935,8 +1202,24 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if ((sep_str == NULL && (sep_str = PyUnicode_FromStringAndSize("\x1f", 1)) == NULL) || intern_names() < 0) {
+    if ((sep_str == NULL && (sep_str = PyUnicode_FromStringAndSize("\x1f", 1)) == NULL) || intern_names() < 0 ||
+        (s_current == NULL && (s_current = PyUnicode_InternFromString("current")) == NULL) ||
+        (hook_refs.where_serialize == NULL &&
+         (hook_refs.where_serialize = PyUnicode_InternFromString("serialize")) == NULL) ||
+        (hook_refs.where_deserialize == NULL &&
+         (hook_refs.where_deserialize = PyUnicode_InternFromString("deserialize")) == NULL) ||
+        PyType_Ready(&HookType) < 0) {
         return NULL;
     }
-    return PyModule_Create(&core_module);
+    PyObject *module = PyModule_Create(&core_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "Hook", (PyObject *)&HookType) < 0 ||
+        PyModule_AddIntConstant(module, "SERIALIZE", SERIALIZE) < 0 ||
+        PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -138,26 +138,45 @@ def _finish_echoed(call: calls.Call, obj: Any, end_ns: int, callee_ns: int) -> N
     call.finish(end_ns, calls.remote_error(obj), callee_ns)
 
 
-# `deserialize`'s fast paths in C (hooks/_core.c) where built; the Python ones below are their reference.
+# The pickler's fast paths in C (hooks/_core.c) where built; the Python ones below are their reference.
 _NOT_HANDLED = object()
 _core = trailer.core
 
 
-def configure_core(time_ns: Callable[[], int]) -> None:
-    """Hands the C fast paths the tables and functions they use, and their clock (a test's, in tests)."""
-    if _core is not None:
-        _core.configure(_in_flight, _finished_append, fold_message, fold_split, fold_finished, RemoteException,
-                        PythonUDF, _IncomingUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns, _local,
-                        _next_id, _pending_replies, _MAX_IN_FLIGHT)
-
-
-configure_core(_time_ns)
 _handle = _core.handle if _core is not None else None
 _serialized = _core.serialized if _core is not None else None
 
 
+def _serialize_other(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any], seconds: float) -> Any:
+    """A message pickled on a thread with no call of ours being sent and no UDF run to reply to."""
+    if runtime.metrics is not None:
+        # Without a UDF run on this thread, a Python value torch pickles is an RRef fetch's reply:
+        # `serializePyObject` serves only UDF results and PythonRRefFetchCall (request_callback_impl.cpp).
+        cells = _message_cells(runtime, "serialize", "response", RREF_FETCH)
+        logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
+        runtime.metrics.record((fold_message, cells, len(data), len(tensors), logical, traveling, seconds, None, 0))
+    return data, tensors
+
+
+def configure_core(time_ns: Callable[[], int], perf_counter: Callable[[], float]) -> None:
+    """Hands the C hot paths the tables and functions they use, and their clocks (a test's, in tests)."""
+    if _core is not None:
+        _core.configure(_in_flight, _finished_append, fold_message, fold_split, fold_finished, RemoteException,
+                        PythonUDF, _IncomingUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns, _local,
+                        _next_id, _pending_replies, _MAX_IN_FLIGHT)
+        _core.configure_hooks(_runtime, perf_counter, health.internal_error, _on_other_message, _serialize_other)
+
+
+configure_core(_time_ns, _perf_counter)
+
+
 def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps `_InternalRPCPickler.serialize(obj)`: counts the message, appends the trailer."""
+    """Wraps `_InternalRPCPickler.serialize(obj)`: counts the message, appends the trailer.
+
+    Where the C core is built, the wrapper is its `Hook`: the same steps, no Python frame of ours (the
+    function below is its reference; tests/unit/test_endings.py holds them to each other)."""
+    if _serialized is not None and _core is not None:
+        return _core.Hook(original, _core.SERIALIZE)
 
     def serialize(self: Any, obj: Any) -> Any:
         runtime = _runtime.current
@@ -168,10 +187,6 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
         seconds = _perf_counter() - start
         # Inline on purpose, like `deserialize`: see there.
         try:
-            if _serialized is not None:  # the same fast paths in C (hooks/_core.c), where built
-                handled = _serialized(runtime, obj, data, tensors, start, seconds)
-                if handled is not _NOT_HANDLED:
-                    return handled
             call = getattr(_local, "call", None) if type(obj) is PythonUDF else None
             if call is not None:  # a request
                 site = call.site
@@ -189,22 +204,17 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
                     _in_flight[call_id] = call
                 return data + tail, tensors
             reply = _pending_replies.pop(_thread_id(), None)
-            if reply is not None:  # the response of a UDF this thread just ran
-                site, echo, request_start = reply
-                record = site.record
-                # The callee's time: from unpickling the request to having pickled this response.
-                tail = (_response_trailer(echo, int((start + seconds - request_start) * 1e6) if request_start
-                                                 else -1) if echo else b"")
-            else:
-                record = runtime.metrics.record if runtime.metrics is not None else None
-                tail = b""
+            if reply is None:
+                return _serialize_other(runtime, obj, data, tensors, seconds)
+            site, echo, request_start = reply  # the response of a UDF this thread just ran
+            # The callee's time: from unpickling the request to having pickled this response.
+            tail = (_response_trailer(echo, int((start + seconds - request_start) * 1e6) if request_start else -1)
+                    if echo else b"")
+            record = site.record
             if record is not None:
-                # Without a UDF run on this thread, a Python value torch pickles is an RRef fetch's reply:
-                # `serializePyObject` serves only UDF results and PythonRRefFetchCall (request_callback_impl.cpp).
-                cells = (site.response_cells if reply is not None
-                         else _message_cells(runtime, "serialize", "response", RREF_FETCH))
                 logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-                record((fold_message, cells, len(data), len(tensors), logical, traveling, seconds, None, 0))
+                record((fold_message, site.response_cells, len(data), len(tensors), logical, traveling, seconds, None,
+                        0))
             return (data + tail if tail else data), tensors
         except Exception:
             health.internal_error("serialize")
@@ -214,7 +224,10 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps `_InternalRPCPickler.deserialize(data, tensors)`: counts the message, reads the trailer."""
+    """Wraps `_InternalRPCPickler.deserialize(data, tensors)`: counts the message, reads the trailer (a C `Hook`
+    where the core is built, as `wrap_serialize`)."""
+    if _handle is not None and _core is not None:
+        return _core.Hook(original, _core.DESERIALIZE)
 
     def deserialize(self: Any, binary_data: bytes, tensor_table: list[Any]) -> Any:
         runtime = _runtime.current
@@ -228,11 +241,6 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
         # times its warm cost (BENCHMARKS.md). The commonest messages, a request with our
         # trailer and the echoed response to one of our calls (ended here), take no call of ours.
         try:
-            if _handle is not None:  # the same fast paths in C (hooks/_core.c), where built
-                handled = _handle(runtime, obj, binary_data, tensor_table, start, seconds)
-                if handled is not _NOT_HANDLED:
-                    return handled
-                return _on_other_message(runtime, obj, binary_data, tensor_table, start, seconds)
             data, tensors = binary_data, tensor_table
             parsed = _parse(data)  # the trailer: `trailer.parse`
             if parsed is not None:

@@ -73,9 +73,10 @@ def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     monkeypatch.setattr(pickler, "_handle", None if python else core.handle)
     monkeypatch.setattr(pickler, "_serialized", None if python else core.serialized)
     if not python:
-        pickler.configure_core(lambda: pickler._time_ns())
+        pickler.configure_core(lambda: pickler._time_ns(), lambda: pickler._perf_counter())
     yield str(request.param)
     if not python:
         import time
 
-        pickler.configure_core(time.time_ns)  # not pickler._time_ns: the test's replacement may still be there
+        # not pickler's clocks: the test's replacements may still be there
+        pickler.configure_core(time.time_ns, time.perf_counter)

@@ -8,6 +8,7 @@ spans, profiler events, the flight recorder's last finished calls. Real torch ob
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,13 +200,15 @@ def _serialize_both_ways(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch
     assert trailer.core is not None
     outcomes = []
     for fast_path in (None, trailer.core.serialized):
-        monkeypatch.setattr(pickler, "_serialized", fast_path)
+        monkeypatch.setattr(pickler, "_serialized", fast_path)  # wrap_serialize: the C Hook, or the Python function
+        pickler.configure_core(time.time_ns, lambda: pickler._perf_counter())
         monkeypatch.setattr(pickler, "_perf_counter", iter([20.0, 20.25]).__next__)
         tensors = TENSOR_TABLES["tensors"]()
         seen = before()
         data, handed = pickler.wrap_serialize(lambda self, o, t=tensors: (b"PICKLE.", t))(None, obj)
         assert handed is tensors and data.startswith(b"PICKLE.")
         outcomes.append((data, seen, _effects(world, messages=True)))
+    pickler.configure_core(time.time_ns, time.perf_counter)
     return outcomes
 
 
