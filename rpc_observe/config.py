@@ -93,6 +93,9 @@ class Config:
     # default 60 s RPC timeout, so the evidence is written before torch's timeout clears it. 0: off.
     hang_seconds: float = 30.0
     log_correlation: bool = True  # trace ids in logging records (hooks/log_correlation.py)
+    # The C modules (hooks/_core.c, hooks/_stacks.c) where built; RPC_OBSERVE_NO_EXTENSIONS=1: their Python
+    # references. Read where they load (hooks/native.py); here only validated, so that a bad value is said once.
+    extensions: bool = True
     metrics_exporters: tuple[str, ...] = ("prometheus",)  # "otlp": also pushed (telemetry/otlp_metrics.py)
     metric_export_interval_s: float = 60.0
     otlp_metrics_endpoint: str = "http://localhost:4318/v1/metrics"
@@ -244,6 +247,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         recorder_size=_number(env, RPC_OBSERVE_RECORDER_SIZE, 1000, 0, 1_000_000),
         hang_seconds=_number(env, RPC_OBSERVE_HANG_SECONDS, 30.0, 0.0, 86400.0, kind=float),
         log_correlation=_flag(env, "OTEL_PYTHON_LOG_CORRELATION", True),
+        extensions=not _flag(env, "RPC_OBSERVE_NO_EXTENSIONS", False),
         metrics_exporters=metrics_exporters,
         metric_export_interval_s=_number(env, "OTEL_METRIC_EXPORT_INTERVAL", 60000, 100, 86_400_000, scale=1000),
         **(_otlp_metrics(env) if "otlp" in metrics_exporters else {}),

@@ -929,9 +929,27 @@ static struct {
     PyObject *on_other_message;  /* pickler._on_other_message: deserialize's general path */
     PyObject *serialize_other;  /* pickler._serialize_other: serialize's general path */
     PyObject *where_serialize, *where_deserialize;  /* "serialize", "deserialize" */
+    PyObject *where_start, *where_detach, *where_end;  /* "server_start", "server_detach", "server_end" */
+    /* _run_function's: server.py's helpers and tables */
+    PyObject *serving;  /* calls.serving */
+    PyObject *proxies;  /* naming.PROXY_FUNCTIONS */
+    PyObject *site_of;  /* server._site_of(runtime, python_udf, fields): the general lookup */
+    PyObject *end_other;  /* server._end_other(runtime, site, start_ns, span, tid, result, python_udf, fields) */
+    PyObject *fold_served;
+    PyObject *native_id;  /* threading.get_native_id */
+    PyObject *unknown;  /* "unknown" */
 } hook_refs;
 
 static PyObject *s_current;
+
+/* Raises `exc` again (PyErr_SetRaisedException of 3.12, for 3.11); steals the reference. */
+static void
+PyErr_SetRaisedException_compat(PyObject *exc)
+{
+    PyObject *type = Py_NewRef((PyObject *)Py_TYPE(exc));
+    PyObject *traceback = PyException_GetTraceback(exc);
+    PyErr_Restore(type, exc, traceback);
+}
 
 /* The exception being raised, taken (PyErr_GetRaisedException of 3.12, for 3.11). */
 static PyObject *
@@ -982,7 +1000,7 @@ read_clock(double *out)
     return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
 }
 
-enum hook_kind { SERIALIZE, DESERIALIZE };
+enum hook_kind { SERIALIZE, DESERIALIZE, RUN_FUNCTION };
 
 typedef struct {
     PyObject_HEAD
@@ -992,12 +1010,321 @@ typedef struct {
     vectorcallfunc vectorcall;
 } Hook;
 
+
+static PyObject *s_server_sites, *s_span_name, *s_attributes, *s_start_server, *s_attach, *s_detach, *s_trace_id,
+    *s_replies, *s_is_async, *s_func, *s_add_done_callback, *s_empty;
+
+static int
+intern_run_names(void)
+{
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&s_server_sites, "server_sites"}, {&s_span_name, "span_name"}, {&s_attributes, "attributes"},
+        {&s_start_server, "start_server"}, {&s_attach, "attach"}, {&s_detach, "detach"}, {&s_trace_id, "trace_id"},
+        {&s_replies, "replies"}, {&s_is_async, "is_async"}, {&s_func, "func"},
+        {&s_add_done_callback, "add_done_callback"}, {&s_empty, ""},
+        {&hook_refs.where_start, "server_start"}, {&hook_refs.where_detach, "server_detach"},
+        {&hook_refs.where_end, "server_end"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* What one UDF run holds between its start and its end (server.py's locals). */
+typedef struct {
+    PyObject *fields, *site, *span, *token, *tracer, *thread, *outer;
+    long long start_ns;
+    int tid;  /* a profiler is armed: the run ends through Serving.finish */
+} run_state;
+
+static void
+run_state_clear(run_state *r)
+{
+    Py_CLEAR(r->fields);
+    Py_CLEAR(r->site);
+    Py_CLEAR(r->span);
+    Py_CLEAR(r->token);
+    Py_CLEAR(r->tracer);
+    Py_CLEAR(r->thread);
+    Py_CLEAR(r->outer);
+}
+
+/* The site of this run: (func, src, mode) looked up inline; an RRef proxy, an unhashable func or a miss: Python. */
+static PyObject *
+run_site(PyObject *runtime, PyObject *udf, PyObject *fields)
+{
+    PyObject *func = PyObject_GetAttr(udf, s_func), *key = NULL, *sites = NULL, *site = NULL;
+    if (func == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        func = Py_NewRef(Py_None);  /* the UDF could not be unpickled */
+    }
+    int proxy = PySequence_Contains(hook_refs.proxies, func);
+    if (proxy != 0) {
+        PyErr_Clear();  /* a proxy, or unhashable: the general lookup */
+        goto general;
+    }
+    if (fields != Py_None) {
+        if (!PyList_Check(fields) || PyList_GET_SIZE(fields) < 4) {
+            goto general;
+        }
+        key = PyTuple_Pack(3, func, PyList_GET_ITEM(fields, 1), PyList_GET_ITEM(fields, 2));
+    }
+    else {
+        key = PyTuple_Pack(3, func, hook_refs.unknown, hook_refs.unknown);
+    }
+    if (key == NULL || (sites = PyObject_GetAttr(runtime, s_server_sites)) == NULL) {
+        goto done;
+    }
+    site = PyDict_Check(sites) ? PyDict_GetItemWithError(sites, key) : NULL;
+    if (site != NULL) {
+        Py_INCREF(site);
+        goto done;
+    }
+    PyErr_Clear();  /* unhashable args of the key, or a miss */
+general:
+    site = PyObject_CallFunctionObjArgs(hook_refs.site_of, runtime, udf, fields, NULL);
+done:
+    Py_DECREF(func);
+    Py_XDECREF(key);
+    Py_XDECREF(sites);
+    return site;
+}
+
+/* server._run_function's start: the site, the SERVER span made current, the serving table. 0, or -1 with an error. */
+static int
+run_start(PyObject *runtime, PyObject *udf, run_state *r)
+{
+    r->fields = PyObject_GetAttr(udf, s_fields);  /* the caller's trailer, set by the pickler */
+    if (r->fields == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return -1;
+        }
+        PyErr_Clear();
+        r->fields = Py_NewRef(Py_None);
+    }
+    if (r->fields != Py_None && (!PyList_Check(r->fields) || PyList_GET_SIZE(r->fields) < 4)) {
+        PyErr_SetString(PyExc_TypeError, "rpc_observe_fields is not a request's fields");
+        return -1;
+    }
+    if ((r->site = run_site(runtime, udf, r->fields)) == NULL) {
+        return -1;
+    }
+    if ((r->start_ns = now_ns()) == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *profiler = NULL, *armed = NULL;
+    if ((r->tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL) {
+        return -1;
+    }
+    if (r->tracer != Py_None) {
+        PyObject *name = PyObject_GetAttr(r->site, s_span_name), *attributes = PyObject_GetAttr(r->site, s_attributes);
+        PyObject *context = r->fields != Py_None ? PyList_GetSlice(r->fields, 4, PY_SSIZE_T_MAX) : Py_NewRef(Py_None);
+        PyObject *start = PyLong_FromLongLong(r->start_ns);
+        if (name != NULL && attributes != NULL && context != NULL && start != NULL) {
+            r->span = PyObject_CallMethodObjArgs(r->tracer, s_start_server, name, attributes, context, start, NULL);
+        }
+        Py_XDECREF(name);
+        Py_XDECREF(attributes);
+        Py_XDECREF(context);
+        Py_XDECREF(start);
+        if (r->span == NULL || (r->token = PyObject_CallMethodOneArg(r->tracer, s_attach, r->span)) == NULL) {
+            return -1;
+        }
+    }
+    else {
+        r->span = Py_NewRef(Py_None);
+    }
+    if ((profiler = PyObject_GetAttr(runtime, s_profiler)) == NULL) {
+        return -1;
+    }
+    if (profiler != Py_None) {
+        armed = PyObject_GetAttr(profiler, s_armed);
+        r->tid = armed != NULL ? PyObject_IsTrue(armed) : -1;
+    }
+    Py_DECREF(profiler);
+    Py_XDECREF(armed);
+    if (r->tid < 0) {
+        return -1;
+    }
+    if ((r->thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL) {
+        return -1;
+    }
+    r->outer = PyDict_GetItemWithError(hook_refs.serving, r->thread);  /* a UDF that runs another in-process */
+    if (r->outer == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    Py_XINCREF(r->outer);
+    PyObject *trace_id = r->span != Py_None ? PyObject_GetAttr(r->span, s_trace_id) : PyLong_FromLong(0);
+    PyObject *served = trace_id != NULL
+        ? Py_BuildValue("(OOLO)", r->site, r->fields != Py_None ? PyList_GET_ITEM(r->fields, 3) : s_empty,
+                        r->start_ns, trace_id)
+        : NULL;
+    Py_XDECREF(trace_id);
+    int failed = served == NULL || PyDict_SetItem(hook_refs.serving, r->thread, served) < 0;
+    Py_XDECREF(served);
+    return failed ? -1 : 0;
+}
+
+/* server._run_function's finally: the serving table as it was, the span no longer current. */
+static int
+run_detach(run_state *r)
+{
+    int failed = r->outer == NULL ? PyDict_DelItem(hook_refs.serving, r->thread)
+                                  : PyDict_SetItem(hook_refs.serving, r->thread, r->outer);
+    if (failed < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+            return -1;
+        }
+        PyErr_Clear();  /* serving.pop(thread, None) */
+    }
+    if (r->token != NULL) {
+        PyObject *done = PyObject_CallMethodOneArg(r->tracer, s_detach, r->token);
+        if (done == NULL) {
+            return -1;
+        }
+        Py_DECREF(done);
+    }
+    return 0;
+}
+
+/* server._run_function's end of a plain successful run (Serving.finish, inline), and the response's echo. */
+static int
+run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
+{
+    PyObject *is_async = PyObject_GetAttr(r->site, s_is_async);
+    if (is_async == NULL) {
+        return -1;
+    }
+    int async_run = PyObject_IsTrue(is_async);
+    Py_DECREF(is_async);
+    if (async_run < 0) {
+        return -1;
+    }
+    if ((async_run && PyObject_HasAttr(result, s_add_done_callback)) ||
+        Py_IS_TYPE(result, (PyTypeObject *)refs.remote_exception) || r->tid) {
+        PyObject *start = PyLong_FromLongLong(r->start_ns);
+        PyObject *done = start != NULL
+            ? PyObject_CallFunctionObjArgs(hook_refs.end_other, runtime, r->site, start, r->span, r->tid ? Py_True
+                                           : Py_False, result, udf, r->fields, NULL)
+            : NULL;
+        Py_XDECREF(start);
+        Py_XDECREF(done);
+        return done != NULL ? 0 : -1;
+    }
+    long long end_ns = now_ns();
+    if (end_ns == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *record = PyObject_GetAttr(r->site, s_record);
+    if (record == NULL) {
+        return -1;
+    }
+    if (record != Py_None) {
+        PyObject *cells = PyObject_GetAttr(r->site, s_cells);
+        PyObject *rec = cells != NULL ? Py_BuildValue("(OOdO)", hook_refs.fold_served, cells,
+                                                      (double)(end_ns - r->start_ns) / 1e9, r->span) : NULL;
+        PyObject *done = rec != NULL ? PyObject_CallOneArg(record, rec) : NULL;
+        Py_XDECREF(cells);
+        Py_XDECREF(rec);
+        Py_XDECREF(done);
+        if (done == NULL) {
+            Py_DECREF(record);
+            return -1;
+        }
+    }
+    Py_DECREF(record);
+    if (r->span != Py_None) {
+        PyObject *end = PyLong_FromLongLong(end_ns);
+        PyObject *done = end != NULL ? PyObject_CallMethodObjArgs(r->tracer, s_end, r->span, end, NULL) : NULL;
+        Py_XDECREF(end);
+        Py_XDECREF(done);
+        if (done == NULL) {
+            return -1;
+        }
+    }
+    PyObject *replies = PyObject_GetAttr(r->site, s_replies);
+    if (replies == NULL) {
+        return -1;
+    }
+    int reply = PyObject_IsTrue(replies);
+    Py_DECREF(replies);
+    if (reply <= 0) {
+        return reply;
+    }
+    PyObject *pending;
+    if (r->fields != Py_None) {
+        PyObject *request_start = PyObject_GetAttr(udf, s_start);
+        if (request_start == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                return -1;
+            }
+            PyErr_Clear();
+            request_start = PyFloat_FromDouble(0.0);
+            if (request_start == NULL) {
+                return -1;
+            }
+        }
+        pending = PyTuple_Pack(3, r->site, PyList_GET_ITEM(r->fields, 3), request_start);
+        Py_DECREF(request_start);
+    }
+    else {
+        pending = Py_BuildValue("(OOd)", r->site, s_empty, 0.0);
+    }
+    int failed = pending == NULL || PyDict_SetItem(refs.pending_replies, r->thread, pending) < 0;
+    Py_XDECREF(pending);
+    return failed ? -1 : 0;
+}
+
+/* internal._run_function(python_udf), wrapped: server.py's `_run_function`, step for step. */
+static PyObject *
+run_function_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t nargsf)
+{
+    PyObject *udf = args[0];
+    run_state r = {0};
+    if (run_start(runtime, udf, &r) < 0) {
+        int swallowed = swallow(hook_refs.where_start);
+        run_state_clear(&r);
+        return swallowed < 0 ? NULL : PyObject_Vectorcall(self->original, args, nargsf, NULL);
+    }
+    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, NULL);
+    PyObject *raised_exc = result == NULL ? raised() : NULL;  /* torch's, raised again after the finally */
+    if (run_detach(&r) < 0 && swallow(hook_refs.where_detach) < 0) {
+        Py_XDECREF(raised_exc);
+        Py_XDECREF(result);
+        run_state_clear(&r);
+        return NULL;
+    }
+    if (result == NULL) {
+        if (raised_exc == NULL) {
+            PyErr_SetString(PyExc_SystemError, "_run_function failed without an exception");
+        }
+        else {
+            PyErr_SetRaisedException_compat(raised_exc);
+        }
+        run_state_clear(&r);
+        return NULL;
+    }
+    if (run_end(runtime, udf, result, &r) < 0 && swallow(hook_refs.where_end) < 0) {
+        Py_DECREF(result);
+        result = NULL;
+    }
+    run_state_clear(&r);
+    return result;
+}
+
 static PyObject *
 hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Hook *self = (Hook *)op;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    Py_ssize_t wanted = self->kind == SERIALIZE ? 2 : 3;  /* (pickler, obj) or (pickler, data, tensors) */
+    /* (pickler, obj), (pickler, data, tensors) or (python_udf) */
+    Py_ssize_t wanted = self->kind == SERIALIZE ? 2 : self->kind == DESERIALIZE ? 3 : 1;
     PyObject *runtime = NULL;
     if (kwnames == NULL && nargs == wanted && hook_refs.runtime_module != NULL) {
         runtime = PyObject_GetAttr(hook_refs.runtime_module, s_current);
@@ -1008,6 +1335,15 @@ hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
     if (runtime == NULL || runtime == Py_None) {  /* off, or a call we do not know: torch's own */
         Py_XDECREF(runtime);
         return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    }
+    if (self->kind == RUN_FUNCTION) {
+        if (hook_refs.serving == NULL || refs.not_handled == NULL) {  /* not configured (server.py, pickler.py) */
+            Py_DECREF(runtime);
+            return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+        }
+        PyObject *result = run_function_call(self, runtime, args, nargsf);
+        Py_DECREF(runtime);
+        return result;
     }
     double start = 0.0, end = 0.0;
     PyObject *where = self->kind == SERIALIZE ? hook_refs.where_serialize : hook_refs.where_deserialize;
@@ -1084,8 +1420,8 @@ hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTuple(args, "Oi:Hook", &original, &kind)) {
         return NULL;
     }
-    if (kind != SERIALIZE && kind != DESERIALIZE) {
-        PyErr_SetString(PyExc_ValueError, "Hook kind: 0 (serialize) or 1 (deserialize)");
+    if (kind != SERIALIZE && kind != DESERIALIZE && kind != RUN_FUNCTION) {
+        PyErr_SetString(PyExc_ValueError, "Hook kind: SERIALIZE, DESERIALIZE or RUN_FUNCTION");
         return NULL;
     }
     Hook *self = (Hook *)type->tp_alloc(type, 0);
@@ -1184,12 +1520,33 @@ configure_hooks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(configure_run_doc,
+"configure_run(serving, proxies, site_of, end_other, fold_served, unknown, /)\n--\n\n"
+"Hands the _run_function Hook server.py's tables and helpers (server.py calls it once, at import).");
+
+static PyObject *
+configure_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyDict_Check(args[0]) || !PyUnicode_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "configure_run(serving: dict, proxies, site_of, end_other, fold_served, "
+                                         "unknown: str)");
+        return NULL;
+    }
+    PyObject **slots[] = {&hook_refs.serving, &hook_refs.proxies, &hook_refs.site_of, &hook_refs.end_other,
+                          &hook_refs.fold_served, &hook_refs.unknown};
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef core_methods[] = {
     {"parse", parse, METH_O, parse_doc},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
     {"handle", (PyCFunction)(void (*)(void))handle, METH_FASTCALL, handle_doc},
     {"serialized", (PyCFunction)(void (*)(void))serialized, METH_FASTCALL, serialized_doc},
     {"configure_hooks", (PyCFunction)(void (*)(void))configure_hooks, METH_FASTCALL, configure_hooks_doc},
+    {"configure_run", (PyCFunction)(void (*)(void))configure_run, METH_FASTCALL, configure_run_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},
     {NULL, NULL, 0, NULL},
@@ -1208,7 +1565,7 @@ PyInit__core(void)
          (hook_refs.where_serialize = PyUnicode_InternFromString("serialize")) == NULL) ||
         (hook_refs.where_deserialize == NULL &&
          (hook_refs.where_deserialize = PyUnicode_InternFromString("deserialize")) == NULL) ||
-        PyType_Ready(&HookType) < 0) {
+        intern_run_names() < 0 || PyType_Ready(&HookType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&core_module);
@@ -1217,7 +1574,8 @@ PyInit__core(void)
     }
     if (PyModule_AddObjectRef(module, "Hook", (PyObject *)&HookType) < 0 ||
         PyModule_AddIntConstant(module, "SERIALIZE", SERIALIZE) < 0 ||
-        PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0) {
+        PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0 ||
+        PyModule_AddIntConstant(module, "RUN_FUNCTION", RUN_FUNCTION) < 0) {
         Py_DECREF(module);
         return NULL;
     }

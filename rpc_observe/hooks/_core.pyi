@@ -17,6 +17,7 @@ def configure_hooks(runtime_module: Any, perf_counter: Callable[[], float], inte
 
 SERIALIZE: int
 DESERIALIZE: int
+RUN_FUNCTION: int
 
 class Hook:
     """_InternalRPCPickler.serialize (kind SERIALIZE) or deserialize (DESERIALIZE), wrapped in C."""
@@ -24,3 +25,5 @@ class Hook:
     original: Any
     def __init__(self, original: Any, kind: int, /) -> None: ...
     def __call__(self, *args: Any) -> Any: ...
+def configure_run(serving: dict[int, Any], proxies: Any, site_of: Callable[..., Any], end_other: Callable[..., None],
+                  fold_served: Any, unknown: str, /) -> None: ...

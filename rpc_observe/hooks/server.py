@@ -19,7 +19,7 @@ from torch.distributed.rpc.internal import RemoteException
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import MessageCells, Record, ServerCells, fold_served
-from . import trailer
+from . import native, trailer
 from .calls import future_error, pending_replies, remote_error, serving
 from .naming import PROXY_FUNCTIONS, is_internal, method_name, profiling_key, proxy_method, span_attributes
 
@@ -109,8 +109,41 @@ class Serving:
             health.internal_error("server_done")
 
 
+def _site_of(runtime: Runtime, python_udf: Any, fields: list[str] | None) -> ServerSite:
+    """The site of a run: (func, the caller, its mode), and for an RRef proxy call the method it runs."""
+    func = getattr(python_udf, "func", None)  # None: the UDF could not be unpickled
+    key: tuple[Any, ...] = (func, fields[_SRC], fields[_MODE]) if fields is not None else (func, UNKNOWN, UNKNOWN)
+    try:
+        if func in _PROXIES:  # an RRef proxy call: a site per method it runs
+            key += (proxy_method(python_udf.args, local=True),)
+        return runtime.server_sites.get(key) or _site(runtime, key)
+    except TypeError:  # an unhashable func
+        return _site(runtime, key)
+
+
+def _end_other(runtime: Runtime, site: ServerSite, start_ns: int, span: Any, profiled: bool, result: Any,
+               python_udf: Any, fields: list[str] | None) -> None:
+    """The end of a run that is not plain (async_execution, failed, or seen by a profiler): the C Hook's way out."""
+    tid = _native_id() if profiled else 0
+    if site.is_async and hasattr(result, "add_done_callback"):
+        result.add_done_callback(Serving(runtime, site, start_ns, span, tid).on_done)
+        return
+    error = remote_error(result)
+    Serving(runtime, site, start_ns, span, tid).finish(*(error or (None, None)))
+    if site.replies:
+        pending_replies[_thread_id()] = ((site, fields[_CALL_ID], getattr(python_udf, "rpc_observe_start", 0.0))
+                                         if fields is not None else (site, "", 0.0))
+
+
+_core = native.load("_core")  # the C Hook where built (hooks/_core.c); `_run_function` below is its reference
+if _core is not None:
+    _core.configure_run(serving, _PROXIES, _site_of, _end_other, fold_served, UNKNOWN)
+
+
 def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Wraps `internal._run_function(python_udf)`."""
+    """Wraps `internal._run_function(python_udf)` (with the C core's `Hook` where built)."""
+    if _core is not None:
+        return _core.Hook(original, _core.RUN_FUNCTION)
 
     def _run_function(python_udf: Any) -> Any:
         runtime = _runtime.current
@@ -120,15 +153,7 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         # touched costs microseconds of cache misses (see `pickler.wrap_deserialize`).
         try:
             fields = getattr(python_udf, "rpc_observe_fields", None)  # the caller's trailer, set by the pickler
-            func = getattr(python_udf, "func", None)  # None: the UDF could not be unpickled
-            key: tuple[Any, ...] = (
-                (func, fields[_SRC], fields[_MODE]) if fields is not None else (func, UNKNOWN, UNKNOWN))
-            try:
-                if func in _PROXIES:  # an RRef proxy call: a site per method it runs
-                    key += (proxy_method(python_udf.args, local=True),)
-                site = runtime.server_sites.get(key) or _site(runtime, key)
-            except TypeError:  # an unhashable func
-                site = _site(runtime, key)
+            site = _site_of(runtime, python_udf, fields)
             start_ns = _time_ns()
             tracer = runtime.tracer
             span = token = None
@@ -158,18 +183,15 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
             except Exception:
                 health.internal_error("server_detach")
         try:
-            if site.is_async and hasattr(result, "add_done_callback"):
-                result.add_done_callback(Serving(runtime, site, start_ns, span, tid).on_done)
+            if (site.is_async and hasattr(result, "add_done_callback")) or type(result) is RemoteException or tid:
+                _end_other(runtime, site, start_ns, span, bool(tid), result, python_udf, fields)
                 return result
-            if type(result) is RemoteException or tid:
-                error = remote_error(result)
-                Serving(runtime, site, start_ns, span, tid).finish(*(error or (None, None)))
-            else:  # Serving.finish, inline, for a plain successful run (tests/unit/test_endings.py)
-                end_ns = _time_ns()
-                if site.record is not None:
-                    site.record((fold_served, site.cells, (end_ns - start_ns) / 1e9, span))
-                if span is not None:
-                    tracer.end(span, end_ns)  # type: ignore[union-attr]  # a span implies a tracer
+            # Serving.finish, inline, for a plain successful run (tests/unit/test_endings.py)
+            end_ns = _time_ns()
+            if site.record is not None:
+                site.record((fold_served, site.cells, (end_ns - start_ns) / 1e9, span))
+            if span is not None:
+                tracer.end(span, end_ns)  # type: ignore[union-attr]  # a span implies a tracer
             if site.replies:
                 pending_replies[_thread_id()] = ((site, fields[_CALL_ID], getattr(python_udf, "rpc_observe_start", 0.0))
                                                  if fields is not None else (site, "", 0.0))

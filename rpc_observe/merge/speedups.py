@@ -27,7 +27,8 @@ def bad_switch() -> str | None:
 
 
 def _load() -> ModuleType | None:
-    if os.environ.get(ENV, "").strip() == "0":
+    if os.environ.get(ENV, "").strip() == "0" or os.environ.get(
+            "RPC_OBSERVE_NO_EXTENSIONS", "").strip().lower() in ("1", "true", "yes", "on"):  # as hooks/native.py
         return None
     try:
         from . import _speedups

@@ -89,3 +89,58 @@ def test_its_own_errors_are_counted_and_torch_gets_its_object(metrics_runtime: r
     assert "broken record" in caplog.text  # the traceback of the exception, as an except block logs it
     calls.pending_replies.clear()
     health.internal_errors.clear()
+
+
+def test_run_function_hook_restores_the_thread_and_passes_torch_errors(metrics_runtime: runtime.Runtime) -> None:
+    """A UDF run inside another on the same thread: the outer one is this thread's again after it, whether the
+    inner one returned or raised (torch's exception, raised as it is); each run is counted once."""
+    from rpc_observe.hooks import server
+
+    hook = core.Hook(lambda udf: ("ran", udf.args), core.RUN_FUNCTION)
+    thread = pickler._thread_id()
+    outer = ("outer site", "9", 1, 0)
+    calls.serving[thread] = outer
+    try:
+        udf = pickler._tuple_new(pickler._IncomingUDF, PythonUDF(noop, (3,), {}))
+        udf.rpc_observe_fields = ["q", "worker1", "sync", "7"]
+        udf.rpc_observe_start = 0.0
+        assert hook(udf) == ("ran", (3,))
+        assert calls.serving[thread] is outer
+        assert calls.pending_replies.pop(thread)[1] == "7"  # the response echoes the caller's call id
+        error = ValueError("the UDF's own")
+
+        def raising(udf: Any) -> Any:
+            raise error
+
+        with pytest.raises(ValueError) as raised:
+            core.Hook(raising, core.RUN_FUNCTION)(udf)
+        assert raised.value is error and calls.serving[thread] is outer
+        site = metrics_runtime.server_sites[(noop, "worker1", "sync")]
+        assert type(site) is server.ServerSite
+        served = [r for r in metrics_runtime.metrics._records if r[1] is site.cells]
+        assert len(served) == 1  # the run that returned; torch's raise is not a run of ours to end
+        assert health.internal_errors == {}
+    finally:
+        calls.serving.pop(thread, None)
+        calls.pending_replies.clear()
+
+
+def test_run_function_hook_counts_its_own_errors(metrics_runtime: runtime.Runtime,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken site lookup: counted as server_start, and the UDF still runs, once, with torch's result."""
+    from rpc_observe.hooks import server
+
+    def broken(*args: Any) -> Any:
+        raise KeyError("broken lookup")
+
+    monkeypatch.setattr(server, "_core", core)
+    core.configure_run(calls.serving, set(), broken, server._end_other, server.fold_served, server.UNKNOWN)
+    try:
+        ran = []
+        result = object()
+        assert core.Hook(lambda udf: ran.append(udf) or result, core.RUN_FUNCTION)(PythonUDF(noop, (), {})) is result
+        assert len(ran) == 1 and health.internal_errors == {"server_start": 1}
+    finally:
+        core.configure_run(calls.serving, server._PROXIES, server._site_of, server._end_other, server.fold_served,
+                           server.UNKNOWN)
+        health.internal_errors.clear()

@@ -145,12 +145,13 @@ def _udf(call_id: str, context: str) -> PythonUDF:
 
 
 @pytest.mark.parametrize("result", RESULTS)
-def test_the_plain_udf_ending_is_serving_finish(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch,
+def test_the_plain_udf_ending_is_serving_finish(world: runtime.Runtime, codec: str, monkeypatch: pytest.MonkeyPatch,
                                                 result: str) -> None:
     obj = RESULTS[result]()
     context = "traceparent=00-" + "a" * 32 + "-" + "b" * 16 + "-01"
     clock = itertools.chain([START_NS], itertools.repeat(END_NS))
     monkeypatch.setattr(server, "_time_ns", lambda: next(clock))
+    monkeypatch.setattr(pickler, "_time_ns", server._time_ns)  # the C Hook's clock (the codec fixture)
     udf = _udf("7", context)
     assert server.wrap_run_function(lambda python_udf: obj)(udf) is obj
     calls.pending_replies.clear()  # the response's echo: not part of the ending

@@ -267,3 +267,17 @@ def test_c_response_trailer_packs_as_the_reference(call_id: str, callee_us: int)
     assert C.response_trailer(call_id, callee_us) == trailer.response_trailer(call_id, callee_us)
     with pytest.raises(TypeError):
         C.response_trailer(call_id, "5")  # type: ignore[arg-type]
+
+
+def test_no_extensions_runs_the_python_references() -> None:
+    """RPC_OBSERVE_NO_EXTENSIONS=1 (what CI runs the end-to-end tests with too): no C module of ours loads."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from rpc_observe.hooks import pickler, snapshot, trailer; from rpc_observe.merge import speedups;"
+            "assert trailer.core is None and pickler._handle is None and pickler._serialized is None;"
+            "assert snapshot._native is None and speedups.C is None;"
+            "assert pickler.wrap_serialize(print).__module__ == 'rpc_observe.hooks.pickler'")
+    env = {**os.environ, "RPC_OBSERVE_NO_EXTENSIONS": "1"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
