@@ -11,6 +11,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <limits.h>
 #include <string.h>
 
 #define MAGIC "\x00rpcobs1"
@@ -468,6 +469,21 @@ long_attr_or_call(PyObject *obj, PyObject *name, int call)
     return n;
 }
 
+/* a + b and a * b, held at LLONG_MAX instead of overflowing (a sparse tensor's numel can be anything). */
+static long long
+held_add(long long a, long long b)
+{
+    long long out;
+    return __builtin_add_overflow(a, b, &out) ? LLONG_MAX : out;
+}
+
+static long long
+held_mul(long long a, long long b)
+{
+    long long out;
+    return __builtin_mul_overflow(a, b, &out) ? LLONG_MAX : out;
+}
+
 static int
 tensor_sizes(PyObject *tensors, long long *logical, long long *traveling)
 {
@@ -499,11 +515,11 @@ tensor_sizes(PyObject *tensors, long long *logical, long long *traveling)
                 Py_DECREF(seq);
                 return -1;
             }
-            useful = storage = numel * size;
+            useful = storage = held_mul(numel, size);
         }
-        *logical += useful;
-        int recopied = storage >= MIN_RECOPY_BYTES && storage >= useful * MIN_MULTIPLE;
-        *traveling += recopied ? useful : storage;
+        *logical = held_add(*logical, useful);
+        int recopied = storage >= MIN_RECOPY_BYTES && storage >= held_mul(useful, MIN_MULTIPLE);
+        *traveling = held_add(*traveling, recopied ? useful : storage);
     }
     Py_DECREF(seq);
     return 0;
@@ -521,7 +537,7 @@ record_message(PyObject *record, PyObject *cells, Py_ssize_t payload, PyObject *
     }
     PyObject *rec = Py_BuildValue("(OOnnLLdOL)", refs.fold_message, cells, payload, count, logical, traveling,
                                   seconds, peer_cell != NULL ? peer_cell : Py_None,
-                                  peer_cell != NULL ? (long long)message_bytes + traveling : 0LL);
+                                  peer_cell != NULL ? held_add((long long)message_bytes, traveling) : 0LL);
     if (rec == NULL) {
         return -1;
     }
@@ -706,6 +722,23 @@ done:
     return result;
 }
 
+/* The arguments `handle` and `serialized` share: (runtime, obj, data, tensors, start, seconds). */
+static int
+hot_path_args(const char *name, PyObject *const *args, Py_ssize_t nargs, double *start, double *seconds)
+{
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "%s takes 6 arguments", name);
+        return -1;
+    }
+    if (refs.not_handled == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_core.configure was not called");
+        return -1;
+    }
+    *start = PyFloat_AsDouble(args[4]);
+    *seconds = PyFloat_AsDouble(args[5]);
+    return (*start == -1.0 || *seconds == -1.0) && PyErr_Occurred() ? -1 : 0;
+}
+
 PyDoc_STRVAR(handle_doc,
 "handle(runtime, obj, data, tensors, start, seconds, /)\n--\n\n"
 "pickler.deserialize's fast paths after torch unpickled `obj` from `data`: ends the call an echoed\n"
@@ -715,19 +748,11 @@ PyDoc_STRVAR(handle_doc,
 static PyObject *
 handle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "handle takes 6 arguments");
-        return NULL;
-    }
-    if (refs.not_handled == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_core.configure was not called");
+    double start, seconds;
+    if (hot_path_args("handle", args, nargs, &start, &seconds) < 0) {
         return NULL;
     }
     PyObject *runtime = args[0], *obj = args[1], *data = args[2], *tensors = args[3];
-    double start = PyFloat_AsDouble(args[4]), seconds = PyFloat_AsDouble(args[5]);
-    if ((start == -1.0 || seconds == -1.0) && PyErr_Occurred()) {
-        return NULL;
-    }
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
@@ -869,19 +894,11 @@ PyDoc_STRVAR(serialized_doc,
 static PyObject *
 serialized(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "serialized takes 6 arguments");
-        return NULL;
-    }
-    if (refs.not_handled == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_core.configure was not called");
+    double start, seconds;
+    if (hot_path_args("serialized", args, nargs, &start, &seconds) < 0) {
         return NULL;
     }
     PyObject *runtime = args[0], *obj = args[1], *data = args[2], *tensors = args[3];
-    double start = PyFloat_AsDouble(args[4]), seconds = PyFloat_AsDouble(args[5]);
-    if ((start == -1.0 || seconds == -1.0) && PyErr_Occurred()) {
-        return NULL;
-    }
     if (!PyBytes_CheckExact(data)) {
         return Py_NewRef(refs.not_handled);
     }
@@ -1038,6 +1055,7 @@ typedef struct {
     PyObject *fields, *site, *span, *token, *tracer, *thread, *outer;
     long long start_ns;
     int tid;  /* a profiler is armed: the run ends through Serving.finish */
+    int served;  /* this run is in the serving table */
 } run_state;
 
 static void
@@ -1168,6 +1186,7 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
     Py_XDECREF(trace_id);
     int failed = served == NULL || PyDict_SetItem(hook_refs.serving, r->thread, served) < 0;
     Py_XDECREF(served);
+    r->served = !failed;
     return failed ? -1 : 0;
 }
 
@@ -1175,8 +1194,9 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
 static int
 run_detach(run_state *r)
 {
-    int failed = r->outer == NULL ? PyDict_DelItem(hook_refs.serving, r->thread)
-                                  : PyDict_SetItem(hook_refs.serving, r->thread, r->outer);
+    int failed = !r->served ? 0
+                 : r->outer == NULL ? PyDict_DelItem(hook_refs.serving, r->thread)
+                                    : PyDict_SetItem(hook_refs.serving, r->thread, r->outer);
     if (failed < 0) {
         if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
             return -1;
@@ -1289,6 +1309,9 @@ run_function_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t n
     run_state r = {0};
     if (run_start(runtime, udf, &r) < 0) {
         int swallowed = swallow(hook_refs.where_start);
+        if (swallowed == 0 && run_detach(&r) < 0) {  /* what the start did, undone: the thread is as it was */
+            swallowed = swallow(hook_refs.where_detach);
+        }
         run_state_clear(&r);
         return swallowed < 0 ? NULL : PyObject_Vectorcall(self->original, args, nargsf, NULL);
     }
@@ -1326,7 +1349,9 @@ hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
     /* (pickler, obj), (pickler, data, tensors) or (python_udf) */
     Py_ssize_t wanted = self->kind == SERIALIZE ? 2 : self->kind == DESERIALIZE ? 3 : 1;
     PyObject *runtime = NULL;
-    if (kwnames == NULL && nargs == wanted && hook_refs.runtime_module != NULL) {
+    int configured = hook_refs.runtime_module != NULL && refs.not_handled != NULL &&  /* pickler.py's, and */
+                     (self->kind != RUN_FUNCTION || hook_refs.serving != NULL);  /* server.py's configure */
+    if (kwnames == NULL && nargs == wanted && configured) {
         runtime = PyObject_GetAttr(hook_refs.runtime_module, s_current);
         if (runtime == NULL) {
             PyErr_Clear();
@@ -1337,10 +1362,6 @@ hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
         return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
     }
     if (self->kind == RUN_FUNCTION) {
-        if (hook_refs.serving == NULL || refs.not_handled == NULL) {  /* not configured (server.py, pickler.py) */
-            Py_DECREF(runtime);
-            return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
-        }
         PyObject *result = run_function_call(self, runtime, args, nargsf);
         Py_DECREF(runtime);
         return result;
