@@ -618,8 +618,9 @@ def install_self_timer() -> None:
         original = getattr(wrapper, "__rpc_observe_original__", None)
         if original is None:
             raise RuntimeError(f"BENCH_SELF_TIME: {owner_name}.{name} is not wrapped by rpc_observe")
-        cell = next((c for c in wrapper.__closure__ or () if c.cell_contents is original), None)
-        if cell is None:
+        native = type(wrapper).__name__ == "Hook"  # the C core's wrapper: a new one around the timed original
+        cell = None if native else next((c for c in wrapper.__closure__ or () if c.cell_contents is original), None)
+        if cell is None and not native:
             raise RuntimeError(f"BENCH_SELF_TIME: rpc_observe's wrapper of {owner_name}.{name} does not hold "
                                "torch's original in its closure; the self-timer cannot time it")
 
@@ -631,7 +632,10 @@ def install_self_timer() -> None:
                 key = (threading.get_ident(), _name)
                 inner[key] = inner.get(key, 0) + _ns() - start
 
-        cell.cell_contents = timed_original
+        if cell is not None:
+            cell.cell_contents = timed_original
+        else:
+            wrapper = type(wrapper)(timed_original, wrapper.kind)
 
         def timed_wrapper(*args: Any, _wrapper: Any = wrapper, _name: str = name, **kwargs: Any) -> Any:
             ident = threading.get_ident()

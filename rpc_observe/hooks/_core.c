@@ -1496,6 +1496,7 @@ static PyGetSetDef hook_getset[] = {
 
 static PyMemberDef hook_members[] = {
     {"original", T_OBJECT, offsetof(Hook, original), READONLY, "the method it wraps"},
+    {"kind", T_INT, offsetof(Hook, kind), READONLY, "SERIALIZE, DESERIALIZE or RUN_FUNCTION"},
     {"__vectorcalloffset__", T_PYSSIZET, offsetof(Hook, vectorcall), READONLY, NULL},
     {"__dictoffset__", T_PYSSIZET, offsetof(Hook, dict), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},

@@ -23,6 +23,7 @@ class Hook:
     """_InternalRPCPickler.serialize (kind SERIALIZE) or deserialize (DESERIALIZE), wrapped in C."""
 
     original: Any
+    kind: int
     def __init__(self, original: Any, kind: int, /) -> None: ...
     def __call__(self, *args: Any) -> Any: ...
 def configure_run(serving: dict[int, Any], proxies: Any, site_of: Callable[..., Any], end_other: Callable[..., None],
