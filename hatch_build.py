@@ -1,13 +1,14 @@
-"""Builds the C modules into the wheel: the merge's C loops (rpc_observe/merge/_speedups.c) and
-the flight recorder's stack reader (rpc_observe/hooks/_stacks.c).
+"""Builds the C modules into the wheel: the per-call core (rpc_observe/hooks/_core.c), the merge's
+C loops (rpc_observe/merge/_speedups.c) and the flight recorder's stack reader
+(rpc_observe/hooks/_stacks.c).
 
-Where no C compiler works, the wheel is built without them, with one message each:
-``rpc-observe merge`` runs in pure Python (the same output, in 1.4-1.7 times the
-time) and the recorder reads stacks in Python (see hooks/snapshot.py).
-``RPC_OBSERVE_MERGE_SPEEDUPS=0`` at install builds without the merge's loops.
+Where no C compiler works, the wheel is built without them, with one message each: the
+pickler and UDF hooks run their Python references (more CPU per RPC), ``rpc-observe merge``
+runs in pure Python (the same output, in 1.4-1.7 times the time) and the recorder reads
+stacks in Python (see hooks/snapshot.py). ``RPC_OBSERVE_MERGE_SPEEDUPS=0`` at install builds
+without the merge's loops; ``RPC_OBSERVE_NO_EXTENSIONS=1`` at run time uses none of them.
 ``python hatch_build.py`` builds them in place, next to the source (for tests run
-from a checkout, as an editable install does).
-"""
+from a checkout, as an editable install does)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ except ImportError:  # run as a script, outside the build
 EXTENSIONS = (
     (Path("rpc_observe", "merge", "_speedups.c"), "rpc-observe merge runs in pure Python",
      "RPC_OBSERVE_MERGE_SPEEDUPS"),
-    (Path("rpc_observe", "hooks", "_core.c"), "the trailer codec runs in Python", None),
+    (Path("rpc_observe", "hooks", "_core.c"), "the pickler and UDF hooks run in Python (more CPU per RPC)", None),
     (Path("rpc_observe", "hooks", "_stacks.c"),
      "the flight recorder reads other threads' stacks in Python, only of threads waiting 1 s or more", None),
 )

@@ -1017,7 +1017,7 @@ read_clock(double *out)
     return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
 }
 
-enum hook_kind { SERIALIZE, DESERIALIZE, RUN_FUNCTION };
+enum hook_kind { SERIALIZE, DESERIALIZE, RUN_FUNCTION, INVOKE_RPC };
 
 typedef struct {
     PyObject_HEAD
@@ -1341,17 +1341,309 @@ run_function_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t n
     return result;
 }
 
+
+/* ---- rpc_sync / rpc_async: api._invoke_rpc, and the `Call` each call makes (calls.Call.__init__, in C) ---- */
+
+static struct {
+    PyObject *call_type;  /* calls.Call */
+    PyObject *begin;  /* client._begin(runtime, to, func, mode, udf_args): a Call for a site not yet made */
+    PyObject *end_raised;  /* calls.end_raised(call, error) */
+    PyObject *after_invoke;  /* client._after_invoke(call, future, rpc_type): what the caller gets */
+    PyObject *profiler_enabled;  /* torch.autograd._profiler_enabled */
+    PyObject *native_id;  /* threading.get_native_id */
+    PyObject *empty_tuple;
+    PyObject *where_start, *where_watch;  /* "client_start", "client_watch" */
+} invoke_refs;
+
+static PyObject *s_runtime, *s_future, *s_thread, *s_parent, *s_tid, *s_start_client, *s_client_start, *s_key,
+    *s_started, *s_client_sites, *s_value_, *s_args_kw;
+
+static int
+intern_invoke_names(void)
+{
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&s_runtime, "runtime"}, {&s_future, "future"}, {&s_thread, "thread"}, {&s_parent, "parent"},
+        {&s_tid, "tid"}, {&s_start_client, "start_client"}, {&s_client_start, "client_start"}, {&s_key, "key"},
+        {&s_started, "started"}, {&s_client_sites, "client_sites"}, {&s_value_, "_value_"}, {&s_args_kw, "args"},
+        {&invoke_refs.where_start, "client_start"}, {&invoke_refs.where_watch, "client_watch"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
+            return -1;
+        }
+    }
+    return (invoke_refs.empty_tuple == NULL && (invoke_refs.empty_tuple = PyTuple_New(0)) == NULL) ? -1 : 0;
+}
+
+/* Sets `name` of `obj` to a new reference `value` (stolen); -1 if `value` is NULL or the set fails. */
+static int
+set_new(PyObject *obj, PyObject *name, PyObject *value)
+{
+    if (value == NULL) {
+        return -1;
+    }
+    int failed = PyObject_SetAttr(obj, name, value);
+    Py_DECREF(value);
+    return failed;
+}
+
+PyDoc_STRVAR(new_call_doc,
+"new_call(runtime, site, /)\n--\n\n"
+"calls.Call(runtime, site), made in C: the same slots, set the same way (calls.Call.__init__ is its reference).");
+
+static PyObject *
+new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || invoke_refs.call_type == NULL || hook_refs.serving == NULL) {
+        PyErr_SetString(PyExc_TypeError, "new_call(runtime, site), after configure_invoke and configure_run");
+        return NULL;
+    }
+    PyObject *runtime = args[0], *site = args[1];
+    PyTypeObject *type = (PyTypeObject *)invoke_refs.call_type;
+    PyObject *call = type->tp_new(type, invoke_refs.empty_tuple, NULL);
+    if (call == NULL) {
+        return NULL;
+    }
+    PyObject *tracer = NULL, *profiler = NULL, *record = NULL, *thread = NULL, *start = NULL;
+    long long start_ns = now_ns();
+    if ((start_ns == -1 && PyErr_Occurred()) || PyObject_SetAttr(call, s_runtime, runtime) < 0 ||
+        PyObject_SetAttr(call, s_site, site) < 0 || (start = PyLong_FromLongLong(start_ns)) == NULL ||
+        PyObject_SetAttr(call, s_start_ns, start) < 0 || set_new(call, s_id, PyLong_FromLong(0)) < 0 ||
+        PyObject_SetAttr(call, s_future, Py_None) < 0 ||
+        (thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL ||
+        PyObject_SetAttr(call, s_thread, thread) < 0) {
+        goto failed;
+    }
+    /* the UDF this call waits inside, if any */
+    PyObject *parent = PyDict_GET_SIZE(hook_refs.serving) ? PyDict_GetItemWithError(hook_refs.serving, thread) : NULL;
+    if ((parent == NULL && PyErr_Occurred()) || PyObject_SetAttr(call, s_parent, parent ? parent : Py_None) < 0 ||
+        (tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL || (profiler = PyObject_GetAttr(runtime, s_profiler)) == NULL) {
+        goto failed;
+    }
+    if (tracer != Py_None) {
+        PyObject *name = PyObject_GetAttr(site, s_span_name), *attributes = PyObject_GetAttr(site, s_attributes);
+        PyObject *span = name != NULL && attributes != NULL
+            ? PyObject_CallMethodObjArgs(tracer, s_start_client, name, attributes, start, NULL) : NULL;
+        Py_XDECREF(name);
+        Py_XDECREF(attributes);
+        if (set_new(call, s_span, span) < 0) {
+            goto failed;
+        }
+    }
+    else if (PyObject_SetAttr(call, s_span, Py_None) < 0) {
+        goto failed;
+    }
+    if (profiler != Py_None) {
+        PyObject *enabled = PyObject_CallNoArgs(invoke_refs.profiler_enabled), *rf = NULL;
+        int on = enabled != NULL ? PyObject_IsTrue(enabled) : -1;
+        Py_XDECREF(enabled);
+        if (on < 0) {
+            goto failed;
+        }
+        if (on) {
+            PyObject *key = PyObject_GetAttr(site, s_key);
+            rf = key != NULL ? PyObject_CallMethodOneArg(profiler, s_client_start, key) : NULL;
+            Py_XDECREF(key);
+        }
+        else {
+            rf = Py_NewRef(Py_None);
+        }
+        if (set_new(call, s_rf, rf) < 0) {
+            goto failed;
+        }
+        PyObject *armed = PyObject_GetAttr(profiler, s_armed);
+        int is_armed = armed != NULL ? PyObject_IsTrue(armed) : -1;
+        Py_XDECREF(armed);
+        if (is_armed < 0 || set_new(call, s_tid, is_armed ? PyObject_CallNoArgs(invoke_refs.native_id)
+                                                          : PyLong_FromLong(0)) < 0) {
+            goto failed;
+        }
+    }
+    else if (PyObject_SetAttr(call, s_rf, Py_None) < 0) {
+        goto failed;
+    }
+    if ((record = PyObject_GetAttr(site, s_record)) == NULL) {
+        goto failed;
+    }
+    if (record != Py_None) {
+        PyObject *started = PyObject_GetAttr(site, s_started);
+        PyObject *done = started != NULL ? PyObject_CallOneArg(record, started) : NULL;
+        Py_XDECREF(started);
+        if (done == NULL) {
+            goto failed;
+        }
+        Py_DECREF(done);
+    }
+    Py_DECREF(tracer);
+    Py_DECREF(profiler);
+    Py_DECREF(record);
+    Py_DECREF(thread);
+    Py_DECREF(start);
+    return call;
+failed:
+    Py_XDECREF(tracer);
+    Py_XDECREF(profiler);
+    Py_XDECREF(record);
+    Py_XDECREF(thread);
+    Py_XDECREF(start);
+    Py_DECREF(call);
+    return NULL;
+}
+
+/* The Call of this invocation: its site looked up inline by (func, mode, to), else client._begin; NULL (no
+ * error) if none is to be made, NULL with an error if making it failed. */
+static PyObject *
+invoke_call(PyObject *runtime, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *to = args[0], *func = args[1], *mode = PyObject_GetAttr(args[2], s_value_), *site = NULL;
+    if (mode == NULL) {
+        return NULL;
+    }
+    if (PyUnicode_CheckExact(to)) {
+        PyObject *sites = PyObject_GetAttr(runtime, s_client_sites), *key = PyTuple_Pack(3, func, mode, to);
+        if (sites != NULL && key != NULL && PyDict_Check(sites)) {
+            site = PyDict_GetItemWithError(sites, key);
+            Py_XINCREF(site);
+            if (site == NULL && PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();  /* an unhashable func */
+            }
+        }
+        Py_XDECREF(sites);
+        Py_XDECREF(key);
+        if (PyErr_Occurred()) {
+            Py_XDECREF(site);
+            Py_DECREF(mode);
+            return NULL;
+        }
+    }
+    PyObject *call;
+    if (site != NULL) {
+        PyObject *call_args[2] = {runtime, site};
+        call = new_call(NULL, call_args, 2);
+        Py_DECREF(site);
+    }
+    else {  /* udf args: args[3] if given by position, else the `args` keyword */
+        PyObject *udf_args = nargs > 3 ? args[3] : Py_None;
+        if (nargs <= 3 && kwnames != NULL) {
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+                if (PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, i), s_args_kw) == 0) {
+                    udf_args = args[nargs + i];
+                }
+            }
+        }
+        call = PyObject_CallFunctionObjArgs(invoke_refs.begin, runtime, to, func, mode, udf_args, NULL);
+        if (call == Py_None) {
+            Py_CLEAR(call);  /* _begin counted what went wrong */
+        }
+    }
+    Py_DECREF(mode);
+    return call;
+}
+
+/* api._invoke_rpc(to, func, rpc_type, *args, **kwargs), wrapped: client.py's `_invoke_rpc`, step for step. */
+static PyObject *
+invoke_rpc_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *call = invoke_call(runtime, args, nargs, kwnames);
+    if (call == NULL) {
+        if (PyErr_Occurred() && swallow(invoke_refs.where_start) < 0) {
+            return NULL;
+        }
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    }
+    PyObject *outer = PyObject_GetAttr(refs.local, s_call);
+    if (outer == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            Py_DECREF(call);
+            return NULL;
+        }
+        PyErr_Clear();
+        outer = Py_NewRef(Py_None);
+    }
+    if (PyObject_SetAttr(refs.local, s_call, call) < 0) {
+        Py_DECREF(outer);
+        Py_DECREF(call);
+        return NULL;
+    }
+    PyObject *future = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    PyObject *error = future == NULL ? raised() : NULL;
+    int restored = PyObject_SetAttr(refs.local, s_call, outer);  /* local.call = outer */
+    Py_DECREF(outer);
+    if (restored < 0 && swallow(invoke_refs.where_start) < 0) {
+        Py_XDECREF(error);
+        Py_XDECREF(future);
+        Py_DECREF(call);
+        return NULL;
+    }
+    if (future == NULL) {  /* torch raised before the call had a future: ended as failed, then raised as it is */
+        if (error == NULL) {
+            PyErr_SetString(PyExc_SystemError, "_invoke_rpc failed without an exception");
+            Py_DECREF(call);
+            return NULL;
+        }
+        PyObject *done = PyObject_CallFunctionObjArgs(invoke_refs.end_raised, call, error, NULL);
+        Py_XDECREF(done);
+        if (done == NULL) {
+            PyErr_Clear();  /* end_raised counts its own errors; torch's exception goes on */
+        }
+        Py_DECREF(call);
+        PyErr_SetRaisedException_compat(error);
+        return NULL;
+    }
+    /* its echoed response ends it (the common case, inline), else _after_invoke watches the future */
+    PyObject *id = PyObject_GetAttr(call, s_id), *rf = id != NULL ? PyObject_GetAttr(call, s_rf) : NULL;
+    int echoed = rf != NULL ? PyObject_IsTrue(id) : -1;
+    PyObject *result = NULL;
+    if (echoed > 0 && rf == Py_None) {
+        result = PyObject_SetAttr(call, s_future, future) < 0 ? NULL : Py_NewRef(future);
+    }
+    else if (echoed >= 0) {
+        result = PyObject_CallFunctionObjArgs(invoke_refs.after_invoke, call, future, args[2], NULL);
+    }
+    Py_XDECREF(id);
+    Py_XDECREF(rf);
+    Py_DECREF(call);
+    if (result == NULL) {
+        result = swallow(invoke_refs.where_watch) < 0 ? NULL : Py_NewRef(future);
+    }
+    Py_DECREF(future);
+    return result;
+}
+
+PyDoc_STRVAR(configure_invoke_doc,
+"configure_invoke(call_type, begin, end_raised, after_invoke, profiler_enabled, native_id, /)\n--\n\n"
+"Hands the _invoke_rpc Hook and new_call client.py's and calls.py's helpers (client.py calls it once).");
+
+static PyObject *
+configure_invoke(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "configure_invoke(call_type: type, begin, end_raised, after_invoke, "
+                                         "profiler_enabled, native_id)");
+        return NULL;
+    }
+    PyObject **slots[] = {&invoke_refs.call_type, &invoke_refs.begin, &invoke_refs.end_raised,
+                          &invoke_refs.after_invoke, &invoke_refs.profiler_enabled, &invoke_refs.native_id};
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Hook *self = (Hook *)op;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    /* (pickler, obj), (pickler, data, tensors) or (python_udf) */
-    Py_ssize_t wanted = self->kind == SERIALIZE ? 2 : self->kind == DESERIALIZE ? 3 : 1;
+    /* (pickler, obj), (pickler, data, tensors), (python_udf) or (to, func, rpc_type, ...) */
+    Py_ssize_t wanted = self->kind == SERIALIZE ? 2 : self->kind == DESERIALIZE ? 3 : self->kind == RUN_FUNCTION ? 1 : 3;
     PyObject *runtime = NULL;
-    int configured = hook_refs.runtime_module != NULL && refs.not_handled != NULL &&  /* pickler.py's, and */
-                     (self->kind != RUN_FUNCTION || hook_refs.serving != NULL);  /* server.py's configure */
-    if (kwnames == NULL && nargs == wanted && configured) {
+    int configured = hook_refs.runtime_module != NULL && refs.not_handled != NULL &&  /* pickler.py's configure, */
+                     (self->kind <= DESERIALIZE || hook_refs.serving != NULL) &&  /* server.py's, */
+                     (self->kind != INVOKE_RPC || invoke_refs.call_type != NULL);  /* client.py's */
+    int fits = self->kind == INVOKE_RPC ? nargs >= wanted : kwnames == NULL && nargs == wanted;
+    if (fits && configured) {
         runtime = PyObject_GetAttr(hook_refs.runtime_module, s_current);
         if (runtime == NULL) {
             PyErr_Clear();
@@ -1360,6 +1652,11 @@ hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
     if (runtime == NULL || runtime == Py_None) {  /* off, or a call we do not know: torch's own */
         Py_XDECREF(runtime);
         return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    }
+    if (self->kind == INVOKE_RPC) {
+        PyObject *result = invoke_rpc_call(self, runtime, args, nargsf, kwnames);
+        Py_DECREF(runtime);
+        return result;
     }
     if (self->kind == RUN_FUNCTION) {
         PyObject *result = run_function_call(self, runtime, args, nargsf);
@@ -1441,8 +1738,8 @@ hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTuple(args, "Oi:Hook", &original, &kind)) {
         return NULL;
     }
-    if (kind != SERIALIZE && kind != DESERIALIZE && kind != RUN_FUNCTION) {
-        PyErr_SetString(PyExc_ValueError, "Hook kind: SERIALIZE, DESERIALIZE or RUN_FUNCTION");
+    if (kind != SERIALIZE && kind != DESERIALIZE && kind != RUN_FUNCTION && kind != INVOKE_RPC) {
+        PyErr_SetString(PyExc_ValueError, "Hook kind: SERIALIZE, DESERIALIZE, RUN_FUNCTION or INVOKE_RPC");
         return NULL;
     }
     Hook *self = (Hook *)type->tp_alloc(type, 0);
@@ -1496,7 +1793,7 @@ static PyGetSetDef hook_getset[] = {
 
 static PyMemberDef hook_members[] = {
     {"original", T_OBJECT, offsetof(Hook, original), READONLY, "the method it wraps"},
-    {"kind", T_INT, offsetof(Hook, kind), READONLY, "SERIALIZE, DESERIALIZE or RUN_FUNCTION"},
+    {"kind", T_INT, offsetof(Hook, kind), READONLY, "SERIALIZE, DESERIALIZE, RUN_FUNCTION or INVOKE_RPC"},
     {"__vectorcalloffset__", T_PYSSIZET, offsetof(Hook, vectorcall), READONLY, NULL},
     {"__dictoffset__", T_PYSSIZET, offsetof(Hook, dict), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
@@ -1569,6 +1866,8 @@ static PyMethodDef core_methods[] = {
     {"serialized", (PyCFunction)(void (*)(void))serialized, METH_FASTCALL, serialized_doc},
     {"configure_hooks", (PyCFunction)(void (*)(void))configure_hooks, METH_FASTCALL, configure_hooks_doc},
     {"configure_run", (PyCFunction)(void (*)(void))configure_run, METH_FASTCALL, configure_run_doc},
+    {"configure_invoke", (PyCFunction)(void (*)(void))configure_invoke, METH_FASTCALL, configure_invoke_doc},
+    {"new_call", (PyCFunction)(void (*)(void))new_call, METH_FASTCALL, new_call_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},
     {NULL, NULL, 0, NULL},
@@ -1587,7 +1886,7 @@ PyInit__core(void)
          (hook_refs.where_serialize = PyUnicode_InternFromString("serialize")) == NULL) ||
         (hook_refs.where_deserialize == NULL &&
          (hook_refs.where_deserialize = PyUnicode_InternFromString("deserialize")) == NULL) ||
-        intern_run_names() < 0 || PyType_Ready(&HookType) < 0) {
+        intern_run_names() < 0 || intern_invoke_names() < 0 || PyType_Ready(&HookType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&core_module);
@@ -1597,7 +1896,8 @@ PyInit__core(void)
     if (PyModule_AddObjectRef(module, "Hook", (PyObject *)&HookType) < 0 ||
         PyModule_AddIntConstant(module, "SERIALIZE", SERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0 ||
-        PyModule_AddIntConstant(module, "RUN_FUNCTION", RUN_FUNCTION) < 0) {
+        PyModule_AddIntConstant(module, "RUN_FUNCTION", RUN_FUNCTION) < 0 ||
+        PyModule_AddIntConstant(module, "INVOKE_RPC", INVOKE_RPC) < 0) {
         Py_DECREF(module);
         return NULL;
     }

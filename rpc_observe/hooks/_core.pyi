@@ -18,6 +18,7 @@ def configure_hooks(runtime_module: Any, perf_counter: Callable[[], float], inte
 SERIALIZE: int
 DESERIALIZE: int
 RUN_FUNCTION: int
+INVOKE_RPC: int
 
 class Hook:
     """_InternalRPCPickler.serialize (kind SERIALIZE) or deserialize (DESERIALIZE), wrapped in C."""
@@ -28,3 +29,7 @@ class Hook:
     def __call__(self, *args: Any) -> Any: ...
 def configure_run(serving: dict[int, Any], proxies: Any, site_of: Callable[..., Any], end_other: Callable[..., None],
                   fold_served: Any, unknown: str, /) -> None: ...
+def configure_invoke(call_type: type, begin: Callable[..., Any], end_raised: Callable[..., None],
+                     after_invoke: Callable[..., Any], profiler_enabled: Callable[[], bool],
+                     native_id: Callable[[], int], /) -> None: ...
+def new_call(runtime: Any, site: Any, /) -> Any: ...

@@ -9,16 +9,18 @@ the C++ handler looks it up for the RRef proxies. How a call ends is `calls`' bu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd import _profiler_enabled
 from torch.distributed.rpc.api import RPCExecMode
 
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import Cell, ClientCells, MessageCells, Record, StartedRecord, fold_started
-from . import trailer
+from . import native, trailer
 from .calls import MAX_IN_FLIGHT, Call, end_raised, future_error, in_flight, local, next_id
 from .naming import helper_target, is_internal, is_proxy, method_name, profiling_key, proxy_method, span_attributes
 
@@ -163,7 +165,10 @@ class _EndsOnWait:
 
 
 def wrap_invoke_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps `api._invoke_rpc(to, func, rpc_type, ...)`, behind rpc_sync and rpc_async."""
+    """Wraps `api._invoke_rpc(to, func, rpc_type, ...)`, behind rpc_sync and rpc_async (with the C core's
+    `Hook` where built, which makes each call's `Call` in C: `_core.new_call`, held to `Call` by the tests)."""
+    if _core is not None:
+        return _core.Hook(original, _core.INVOKE_RPC)
 
     def _invoke_rpc(to: Any, func: Any, rpc_type: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = _runtime.current
@@ -190,6 +195,15 @@ def wrap_invoke_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
             end_raised(call, e)
             raise
         local.call = outer
+        return _after_invoke(call, future, rpc_type)
+
+    return _invoke_rpc
+
+
+def _after_invoke(call: Call, future: Any, rpc_type: Any) -> Any:
+    """What `rpc_sync`/`rpc_async` get for a call whose request left: the future, watched unless its echoed
+    response ends the call."""
+    try:
         if call.id and call.rf is None:  # its echoed response ends it
             call.future = future
             return future
@@ -197,8 +211,14 @@ def wrap_invoke_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
         if call.site.swept and call.future is not None and rpc_type is _SYNC:
             return _EndsOnWait(watched, call)
         return watched
+    except Exception:
+        health.internal_error("client_watch")
+        return future
 
-    return _invoke_rpc
+
+_core = native.load("_core")  # the C Hook where built (hooks/_core.c); `wrap_invoke_rpc`'s function is its reference
+if _core is not None:
+    _core.configure_invoke(Call, _begin, end_raised, _after_invoke, _profiler_enabled, threading.get_native_id)
 
 
 def wrap_remote(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -61,7 +61,7 @@ def metrics_runtime(tmp_path: Path) -> Iterator[runtime.Runtime]:
 def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The pickler's hot paths with the Python codec and fast paths (the reference), then with the C
     ones (hooks/_core.c, where built), whose clock is then `pickler._time_ns` (which tests replace)."""
-    from rpc_observe.hooks import pickler, server, trailer
+    from rpc_observe.hooks import client, pickler, server, trailer
 
     core = trailer.core
     if request.param == "c" and core is None:
@@ -73,6 +73,7 @@ def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     monkeypatch.setattr(pickler, "_handle", None if python else core.handle)
     monkeypatch.setattr(pickler, "_serialized", None if python else core.serialized)
     monkeypatch.setattr(server, "_core", None if python else core)  # wrap_run_function: Python, or the C Hook
+    monkeypatch.setattr(client, "_core", None if python else core)  # wrap_invoke_rpc too
     if not python:
         pickler.configure_core(lambda: pickler._time_ns(), lambda: pickler._perf_counter())
     yield str(request.param)

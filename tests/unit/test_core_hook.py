@@ -10,7 +10,7 @@ import torch
 from torch.distributed.rpc.internal import PythonUDF
 
 from rpc_observe import _patching
-from rpc_observe.hooks import calls, pickler, trailer
+from rpc_observe.hooks import calls, client, pickler, trailer  # noqa: F401  # client: configures the _invoke_rpc Hook
 from rpc_observe.telemetry import health, runtime
 
 core = trailer.core
@@ -144,3 +144,95 @@ def test_run_function_hook_counts_its_own_errors(metrics_runtime: runtime.Runtim
         core.configure_run(calls.serving, server._PROXIES, server._site_of, server._end_other, server.fold_served,
                            server.UNKNOWN)
         health.internal_errors.clear()
+
+
+@pytest.mark.parametrize("spans", [False, True], ids=["metrics", "metrics+spans"])
+def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool) -> None:
+    """A whole RPC through the four C paths (request out, request in, the UDF run, response out and in), 10,000
+    times: every object they make is freed again (a reference kept per call would be a leak in every job)."""
+    import gc
+    import sys
+
+    from rpc_observe import config
+    from rpc_observe.hooks import server
+    from rpc_observe.hooks.client import ClientSite
+    from rpc_observe.telemetry import tracing
+    from rpc_observe.telemetry.metrics import Metrics
+
+    cfg = config.load({"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none",
+                       "RPC_OBSERVE_PROFILER_EVENTS": "0", "RPC_OBSERVE_METRICS": "0"})
+    rt = runtime.Runtime(cfg, "worker0", 0)
+    rt.metrics = Metrics("worker0", 100)
+    rt.tracer = tracing.Tracer(cfg, []) if spans else None
+    runtime.current = rt
+    try:
+        result, tensors = {"a": 1}, [torch.ones(2)]
+        serialize = pickler.wrap_serialize(lambda self, obj: (b"PICKLE.", tensors))
+        request_in = pickler.wrap_deserialize(lambda self, d, t: PythonUDF(noop, (), {}))
+        response_in = pickler.wrap_deserialize(lambda self, d, t: result)
+        run = server.wrap_run_function(lambda udf: result)
+        assert {type(f) for f in (serialize, request_in, run)} == {core.Hook}
+        site = ClientSite(rt, noop, "sync", "worker1")
+
+        def one_rpc() -> None:
+            calls.local.call = calls.Call(rt, site)
+            request, _ = serialize(None, PythonUDF(noop, (), {}))
+            calls.local.call = None
+            run(request_in(None, request, tensors))
+            response, _ = serialize(None, result)
+            assert response_in(None, response, tensors) is result
+
+        def drained() -> int:
+            rt.metrics._records.clear()
+            if rt.tracer is not None:
+                rt.tracer._queue.clear()
+            calls.finished.clear()
+            gc.collect()
+            return sys.getallocatedblocks()
+
+        for _ in range(1000):
+            one_rpc()
+        before = drained()
+        for i in range(10_000):
+            one_rpc()
+            if i % 1000 == 0:
+                drained()
+        assert drained() - before < 100  # not one per call
+        assert not calls.in_flight and not calls.pending_replies and not calls.serving
+        assert health.internal_errors == {}
+    finally:
+        runtime.current = None
+        rt.close()
+
+
+def test_invoke_rpc_hook_hands_back_torch_futures_and_errors(metrics_runtime: runtime.Runtime) -> None:
+    """rpc_async's `_invoke_rpc` as a C Hook: positional and keyword arguments reach torch as given, torch's future
+    comes back (watched: here no response echoes the call), torch's exception is raised as it is, and each call
+    ends once, as a success or as the error torch raised."""
+    from torch.distributed.rpc.api import RPCExecMode
+
+    seen: list[tuple[Any, ...]] = []
+    future: torch.futures.Future = torch.futures.Future()
+
+    def invoke(to: Any, func: Any, rpc_type: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((to, func, rpc_type, args, kwargs))
+        assert calls.local.call is not None  # the call being sent, for the pickler
+        return future
+
+    hook = core.Hook(invoke, core.INVOKE_RPC)
+    assert hook("worker1", noop, RPCExecMode.ASYNC, (1,), {}, timeout=5.0) is future
+    assert seen == [("worker1", noop, RPCExecMode.ASYNC, ((1,), {}), {"timeout": 5.0})]
+    assert getattr(calls.local, "call", None) is None  # put back as it was
+    (call,) = calls.in_flight.values()
+    future.set_result(3)  # its done-callback ends it
+    assert not calls.in_flight and calls.finished[-1][4] is None
+    error = ConnectionError("torch's")
+
+    def raising(to: Any, func: Any, rpc_type: Any, *args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    with pytest.raises(ConnectionError) as raised:
+        core.Hook(raising, core.INVOKE_RPC)("worker1", noop, RPCExecMode.SYNC, args=(2,))
+    assert raised.value is error and calls.finished[-1][4] == "ConnectionError"
+    assert getattr(calls.local, "call", None) is None and health.internal_errors == {}
+    calls.finished.clear()

@@ -267,3 +267,28 @@ def test_a_reply_that_is_none_of_ours_goes_the_general_path_either_way(world: ru
     """No call and no pending reply on this thread (an RRef fetch's reply): the C path leaves it to Python."""
     python, c = _serialize_both_ways(world, monkeypatch, {"a": 1}, lambda: None)
     assert python == c and python[0] == b"PICKLE."
+
+
+@needs_core
+def test_a_call_made_in_c_is_the_call_python_makes(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_core.new_call` (what the C `_invoke_rpc` makes per call) against `calls.Call`, the reference, at the same
+    clock reading on the same thread inside a served UDF: the same slots, span and started record."""
+    assert trailer.core is not None
+    site = ClientSite(world, noop, "sync", "worker1")
+    monkeypatch.setattr(calls, "_time_ns", lambda: START_NS)
+    pickler.configure_core(lambda: START_NS, time.perf_counter)
+    thread = pickler._thread_id()
+    calls.serving[thread] = ("a served UDF", "9", START_NS - 5, 0)  # the call's parent
+    try:
+        made = []
+        for make in (calls.Call, trailer.core.new_call):
+            call = make(world, site)
+            slots = {name: getattr(call, name, "unset") for name in calls.Call.__slots__}
+            span = slots.pop("span")
+            slots["span"] = _span(span) if span is not None else None
+            made.append((type(call), slots, _effects(world, messages=True)))
+        assert made[0] == made[1]
+        assert made[0][1]["parent"] == calls.serving[thread] and made[0][1]["start_ns"] == START_NS
+    finally:
+        calls.serving.pop(thread, None)
+        pickler.configure_core(time.time_ns, time.perf_counter)
