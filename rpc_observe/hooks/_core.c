@@ -739,11 +739,9 @@ hot_path_args(const char *name, PyObject *const *args, Py_ssize_t nargs, double 
     return (*start == -1.0 || *seconds == -1.0) && PyErr_Occurred() ? -1 : 0;
 }
 
-PyDoc_STRVAR(handle_doc,
-"handle(runtime, obj, data, tensors, start, seconds, /)\n--\n\n"
-"pickler.deserialize's fast paths after torch unpickled `obj` from `data`: ends the call an echoed\n"
-"response names, or gives the UDF of a request with the caller's fields; returns what torch gets, or\n"
-"`not_handled` (configure) for the general path.");
+/* handle(runtime, obj, data, tensors, start, seconds, /) pickler.deserialize's fast paths after torch unpickled
+ * `obj` from `data`: ends the call an echoed response names, or gives the UDF of a request with the caller's
+ * fields; returns what torch gets, or `not_handled` (configure) for the general path. */
 
 static PyObject *
 handle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -885,11 +883,9 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(serialized_doc,
-"serialized(runtime, obj, data, tensors, start, seconds, /)\n--\n\n"
-"pickler.serialize's fast paths after torch pickled `obj` into `data`: a client call's request, or the\n"
-"response of the UDF this thread ran; returns what torch gets, or `not_handled` (configure) for the\n"
-"general path, before anything was taken or changed.");
+/* serialized(runtime, obj, data, tensors, start, seconds, /) pickler.serialize's fast paths after torch pickled
+ * `obj` into `data`: a client call's request, or the response of the UDF this thread ran; returns what torch
+ * gets, or `not_handled` (configure) for the general path, before anything was taken or changed. */
 
 static PyObject *
 serialized(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -1794,8 +1790,6 @@ static PyGetSetDef hook_getset[] = {
 static PyMemberDef hook_members[] = {
     {"original", T_OBJECT, offsetof(Hook, original), READONLY, "the method it wraps"},
     {"kind", T_INT, offsetof(Hook, kind), READONLY, "SERIALIZE, DESERIALIZE, RUN_FUNCTION or INVOKE_RPC"},
-    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Hook, vectorcall), READONLY, NULL},
-    {"__dictoffset__", T_PYSSIZET, offsetof(Hook, dict), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1862,8 +1856,6 @@ configure_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef core_methods[] = {
     {"parse", parse, METH_O, parse_doc},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
-    {"handle", (PyCFunction)(void (*)(void))handle, METH_FASTCALL, handle_doc},
-    {"serialized", (PyCFunction)(void (*)(void))serialized, METH_FASTCALL, serialized_doc},
     {"configure_hooks", (PyCFunction)(void (*)(void))configure_hooks, METH_FASTCALL, configure_hooks_doc},
     {"configure_run", (PyCFunction)(void (*)(void))configure_run, METH_FASTCALL, configure_run_doc},
     {"configure_invoke", (PyCFunction)(void (*)(void))configure_invoke, METH_FASTCALL, configure_invoke_doc},

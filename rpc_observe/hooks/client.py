@@ -20,7 +20,7 @@ from torch.distributed.rpc.api import RPCExecMode
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import Cell, ClientCells, MessageCells, Record, StartedRecord, fold_started
-from . import native, trailer
+from . import trailer
 from .calls import MAX_IN_FLIGHT, Call, end_raised, future_error, in_flight, local, next_id
 from .naming import helper_target, is_internal, is_proxy, method_name, profiling_key, proxy_method, span_attributes
 
@@ -216,7 +216,7 @@ def _after_invoke(call: Call, future: Any, rpc_type: Any) -> Any:
         return future
 
 
-_core = native.load("_core")  # the C Hook where built (hooks/_core.c); `wrap_invoke_rpc`'s function is its reference
+_core = trailer.core  # the C Hook where built (hooks/_core.c); `wrap_invoke_rpc`'s function is its reference
 if _core is not None:
     _core.configure_invoke(Call, _begin, end_raised, _after_invoke, _profiler_enabled, threading.get_native_id)
 

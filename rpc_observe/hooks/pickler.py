@@ -33,8 +33,7 @@ _local, _in_flight, _next_id, _pending_replies = calls.local, calls.in_flight, c
 _finished_append = calls.finished.append
 _MAX_IN_FLIGHT = calls.MAX_IN_FLIGHT
 # The trailer codec (in C where built; trailer.py has the references).
-_parse, _request_trailer, _response_trailer = (trailer.fast_parse, trailer.fast_request_trailer,
-                                               trailer.fast_response_trailer)
+_parse, _request_trailer, _response_trailer = trailer.parse, trailer.request_trailer, trailer.response_trailer
 _UNKNOWN = "unknown"
 _MAX_CACHED = 10_000
 # torch clones a tensor before sending it when it is a small view of a big storage
@@ -143,8 +142,6 @@ _NOT_HANDLED = object()
 _core = trailer.core
 
 
-_handle = _core.handle if _core is not None else None
-_serialized = _core.serialized if _core is not None else None
 
 
 def _serialize_other(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any], seconds: float) -> Any:
@@ -175,7 +172,7 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
 
     Where the C core is built, the wrapper is its `Hook`: the same steps, no Python frame of ours (the
     function below is its reference; tests/unit/test_endings.py holds them to each other)."""
-    if _serialized is not None and _core is not None:
+    if _core is not None:
         return _core.Hook(original, _core.SERIALIZE)
 
     def serialize(self: Any, obj: Any) -> Any:
@@ -226,7 +223,7 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps `_InternalRPCPickler.deserialize(data, tensors)`: counts the message, reads the trailer (a C `Hook`
     where the core is built, as `wrap_serialize`)."""
-    if _handle is not None and _core is not None:
+    if _core is not None:
         return _core.Hook(original, _core.DESERIALIZE)
 
     def deserialize(self: Any, binary_data: bytes, tensor_table: list[Any]) -> Any:

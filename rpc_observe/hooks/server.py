@@ -19,7 +19,7 @@ from torch.distributed.rpc.internal import RemoteException
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import MessageCells, Record, ServerCells, fold_served
-from . import native, trailer
+from . import trailer
 from .calls import future_error, pending_replies, remote_error, serving
 from .naming import PROXY_FUNCTIONS, is_internal, method_name, profiling_key, proxy_method, span_attributes
 
@@ -135,7 +135,7 @@ def _end_other(runtime: Runtime, site: ServerSite, start_ns: int, span: Any, pro
                                          if fields is not None else (site, "", 0.0))
 
 
-_core = native.load("_core")  # the C Hook where built (hooks/_core.c); `_run_function` below is its reference
+_core = trailer.core  # the C Hook where built (hooks/_core.c); `_run_function` below is its reference
 if _core is not None:
     _core.configure_run(serving, _PROXIES, _site_of, _end_other, fold_served, UNKNOWN)
 

@@ -132,10 +132,6 @@ def split(data: bytes) -> tuple[int, list[str] | None]:
         return len(data), None
 
 
-# What the pickler's hot paths call: the C codec where it is built (the functions above are its
-# reference and fallback, with RPC_OBSERVE_NO_EXTENSIONS=1).
+# The per-call core in C (hooks/_core.c) where built: the wrappers of client, pickler and server use it,
+# and the functions above are its trailer codec's reference (None with RPC_OBSERVE_NO_EXTENSIONS=1).
 core = native.load("_core")
-if core is not None:
-    fast_parse, fast_request_trailer, fast_response_trailer = core.parse, core.request_trailer, core.response_trailer
-else:
-    fast_parse, fast_request_trailer, fast_response_trailer = parse, request_trailer, response_trailer

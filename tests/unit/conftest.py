@@ -67,11 +67,7 @@ def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     if request.param == "c" and core is None:
         pytest.skip("the C core is not built here (or RPC_OBSERVE_NO_EXTENSIONS=1)")
     python = request.param == "python"
-    monkeypatch.setattr(pickler, "_request_trailer", trailer.request_trailer if python else core.request_trailer)
-    monkeypatch.setattr(pickler, "_response_trailer", trailer.response_trailer if python else core.response_trailer)
-    monkeypatch.setattr(pickler, "_parse", trailer.parse)
-    monkeypatch.setattr(pickler, "_handle", None if python else core.handle)
-    monkeypatch.setattr(pickler, "_serialized", None if python else core.serialized)
+    monkeypatch.setattr(pickler, "_core", None if python else core)  # wrap_(de)serialize: Python, or the C Hook
     monkeypatch.setattr(server, "_core", None if python else core)  # wrap_run_function: Python, or the C Hook
     monkeypatch.setattr(client, "_core", None if python else core)  # wrap_invoke_rpc too
     if not python:

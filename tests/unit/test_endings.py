@@ -200,8 +200,8 @@ def _serialize_both_ways(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch
     perf_counter readings; returns per way: the message, what `before` gave, the records and the spans."""
     assert trailer.core is not None
     outcomes = []
-    for fast_path in (None, trailer.core.serialized):
-        monkeypatch.setattr(pickler, "_serialized", fast_path)  # wrap_serialize: the C Hook, or the Python function
+    for core in (None, trailer.core):
+        monkeypatch.setattr(pickler, "_core", core)  # wrap_serialize: the Python function, or the C Hook
         pickler.configure_core(time.time_ns, lambda: pickler._perf_counter())
         monkeypatch.setattr(pickler, "_perf_counter", iter([20.0, 20.25]).__next__)
         tensors = TENSOR_TABLES["tensors"]()

@@ -29,7 +29,7 @@ def test_the_core_is_built_where_a_compiler_is() -> None:
     if not (shutil.which("cc") or shutil.which("gcc")) or native.extensions_off():
         pytest.skip("no C compiler here, or RPC_OBSERVE_NO_EXTENSIONS=1: the codec runs in Python")
     assert C is not None, "rpc_observe/hooks/_core.c is not built: reinstall (pip install -e .)"
-    assert pickler._handle is C.handle and pickler._request_trailer is C.request_trailer
+    assert type(pickler.wrap_serialize(print)) is C.Hook and type(pickler.wrap_deserialize(print)) is C.Hook
 
 
 def test_layout_constants_describe_the_bytes() -> None:
@@ -276,7 +276,7 @@ def test_no_extensions_runs_the_python_references() -> None:
     import sys
 
     code = ("from rpc_observe.hooks import pickler, snapshot, trailer; from rpc_observe.merge import speedups;"
-            "assert trailer.core is None and pickler._handle is None and pickler._serialized is None;"
+            "assert trailer.core is None and pickler._core is None;"
             "assert snapshot._native is None and speedups.C is None;"
             "assert pickler.wrap_serialize(print).__module__ == 'rpc_observe.hooks.pickler'")
     env = {**os.environ, "RPC_OBSERVE_NO_EXTENSIONS": "1"}
