@@ -579,12 +579,15 @@ def _stuck_row() -> _Row:
     from grafana_foundation_sdk.models import common
     from grafana_foundation_sdk.models import dashboard as dm
 
-    what_to_do = ("Above the red line rpc_observe's watchdog dumps the worker's calls and stacks into "
-                  "$RPC_OBSERVE_DIR/debug/; run `rpc-observe doctor` to read them.")
+    what_to_do = ("Above the workers' stuck threshold (RPC_OBSERVE_HANG_SECONDS, default 30 s: the red line) "
+                  "rpc_observe's watchdog dumps the worker's calls and stacks into $RPC_OBSERVE_DIR/debug/; "
+                  "run `rpc-observe doctor` to read them.")
 
     def age(title: str, description: str, metric: str) -> timeseries.Panel:
         return (_ts(title, f"{description} {what_to_do}", "s",
-                    _query(f"max by (worker) ({metric}{{{JOB_WORKER}}})", "{{worker}}"), width=8)
+                    _query(f"max by (worker) ({metric}{{{JOB_WORKER}}})", "{{worker}}"),
+                    _query(f"min(rpc_observe_hang_threshold_seconds{{{JOB_WORKER}}})", "stuck threshold"),
+                    width=8)
                 .thresholds(_thresholds((None, "transparent"), (STUCK_SECONDS, "red")))
                 .thresholds_style(common_builders.GraphThresholdsStyleConfig()
                                   .mode(common.GraphThresholdsStyleMode.DASHED_AND_AREA)))

@@ -36,6 +36,8 @@ RPC_OBSERVE_SPANS_MAX_BYTES = "RPC_OBSERVE_SPANS_MAX_BYTES"
 RPC_OBSERVE_SPANS_FILE_BYTES = "RPC_OBSERVE_SPANS_FILE_BYTES"
 RPC_OBSERVE_RECORDER_SIZE = "RPC_OBSERVE_RECORDER_SIZE"
 RPC_OBSERVE_HANG_SECONDS = "RPC_OBSERVE_HANG_SECONDS"
+# Half torch's default 60 s RPC timeout: the watchdog dumps before torch's timeout clears the evidence.
+DEFAULT_HANG_SECONDS = 30.0
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
@@ -89,9 +91,8 @@ class Config:
     bsp_max_export_batch_size: int = 2048
     bsp_export_timeout_s: float = 5.0
     recorder_size: int = 1000  # the flight recorder's last finished calls; 0: none kept
-    # A call in flight or a UDF running longer than this is dumped by the watchdog: half torch's
-    # default 60 s RPC timeout, so the evidence is written before torch's timeout clears it. 0: off.
-    hang_seconds: float = 30.0
+    # A call in flight or a UDF running longer than this is dumped by the watchdog. 0: off.
+    hang_seconds: float = DEFAULT_HANG_SECONDS
     log_correlation: bool = True  # trace ids in logging records (hooks/log_correlation.py)
     # The C modules (hooks/_core.c, hooks/_stacks.c) where built; RPC_OBSERVE_NO_EXTENSIONS=1: their Python
     # references. Read where they load (hooks/native.py); here only validated, so that a bad value is said once.
@@ -245,7 +246,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         bsp_max_export_batch_size=_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 2048, 1, 10_000_000),
         bsp_export_timeout_s=_number(env, "OTEL_BSP_EXPORT_TIMEOUT", 5000, 1, 3_600_000, scale=1000),
         recorder_size=_number(env, RPC_OBSERVE_RECORDER_SIZE, 1000, 0, 1_000_000),
-        hang_seconds=_number(env, RPC_OBSERVE_HANG_SECONDS, 30.0, 0.0, 86400.0, kind=float),
+        hang_seconds=_number(env, RPC_OBSERVE_HANG_SECONDS, DEFAULT_HANG_SECONDS, 0.0, 86400.0, kind=float),
         log_correlation=_flag(env, "OTEL_PYTHON_LOG_CORRELATION", True),
         extensions=not _flag(env, "RPC_OBSERVE_NO_EXTENSIONS", False),
         metrics_exporters=metrics_exporters,

@@ -122,6 +122,7 @@ GAUGES = {
     # Ages of the oldest client call in flight and of the oldest Python UDF running (0: none).
     "torch_rpc_client_oldest_call_age_seconds": frozenset({"worker"}),
     "torch_rpc_server_oldest_udf_age_seconds": frozenset({"worker"}),
+    "rpc_observe_hang_threshold_seconds": frozenset({"worker"}),
     "torch_rpc_agent_threads": frozenset({"worker"}),
     "torch_rpc_agent_idle_threads": frozenset({"worker"}),
     "torch_rpc_agent_active_calls": frozenset({"worker", "side"}),
@@ -444,10 +445,10 @@ def test_promtool_test_rules():
 # (alert, field, text, replacement): each change breaks the alert's unit tests, one way or the
 # other (fires too late or not at all, or fires on a series that must stay silent).
 RULE_CHANGES = [
-    ("RpcCallStuck", "expr", "> 30", "> 60"),
-    ("RpcCallStuck", "expr", "> 30", ">= 30"),
-    ("RpcUdfStuck", "expr", "> 30", "> 120"),
-    ("RpcUdfStuck", "expr", "> 30", "> 20"),
+    ("RpcCallStuck", "expr", "> rpc_observe_hang_threshold_seconds", "> 30"),  # each worker's own threshold
+    ("RpcCallStuck", "expr", "> rpc", ">= rpc"),
+    ("RpcUdfStuck", "expr", "> rpc_observe_hang_threshold_seconds", "> 2 * rpc_observe_hang_threshold_seconds"),
+    ("RpcUdfStuck", "expr", "> rpc_observe_hang_threshold_seconds", "> 20"),
     ("RpcThreadPoolExhausted", "for", "1m", "0s"),
     ("RpcThreadPoolExhausted", "expr", "torch_rpc_agent_threads > 0 and ", ""),
     ("RpcThreadPoolExhausted", "expr", "== 0", "< 2"),
@@ -510,10 +511,10 @@ def test_alert_rules_query_the_contract_and_say_what_to_do():
         assert "{{ $labels.worker }}" in annotations["description"], name
         assert "rpc-observe doctor" in annotations["description"], name
         assert "$RPC_OBSERVE_DIR/debug/" in annotations["description"], name
-    # Stuck: above the watchdog's default (RPC_OBSERVE_HANG_SECONDS), where the dashboard turns red.
+    # Stuck: above each worker's own watchdog threshold (RPC_OBSERVE_HANG_SECONDS, exported).
     for name, metric in (("RpcCallStuck", "torch_rpc_client_oldest_call_age_seconds"),
                          ("RpcUdfStuck", "torch_rpc_server_oldest_udf_age_seconds")):
-        assert rules[name]["expr"] == f"{metric} > {generate.STUCK_SECONDS}"
+        assert rules[name]["expr"] == f"{metric} > rpc_observe_hang_threshold_seconds"
     assert rules["RpcThreadPoolExhausted"]["for"] == "1m"
     assert "> 0.05" in rules["RpcClientErrorRatioHigh"]["expr"]
     assert rules["RpcObserveSpansDropped"]["expr"] == "increase(rpc_observe_spans_dropped_total[5m]) > 0"
@@ -835,8 +836,9 @@ def test_rows_show_what_the_issue_asks_for(dashboard):
     stuck = {p["title"]: p for p in _rows(dashboard)["Stuck calls and where the time goes"]}
     for title, metric in (("Oldest call in flight", "torch_rpc_client_oldest_call_age_seconds"),
                           ("Oldest UDF running", "torch_rpc_server_oldest_udf_age_seconds")):
-        (expr,) = _exprs([stuck[title]])
+        expr, threshold = _exprs([stuck[title]])
         assert expr.startswith(f"max by (worker) ({metric}{{")
+        assert threshold.startswith("min(rpc_observe_hang_threshold_seconds{")
         defaults = stuck[title]["fieldConfig"]["defaults"]
         assert defaults["unit"] == "s"
         assert defaults["thresholds"]["steps"][-1] == {"color": "red", "value": generate.STUCK_SECONDS}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, total
+from cluster import Cluster, samples, total
 from scenarios import MARKER
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios.py"
@@ -212,15 +212,22 @@ def test_a_healthy_job_read_in_a_loop_is_well_and_unchanged(tmp_path):
 
 
 def test_unknown_paths_are_404_and_metrics_are_still_served(tmp_path):
-    cluster = Cluster(tmp_path, "basic", env={"RPC_OBSERVE": "1"}, hold=True)
+    cluster = Cluster(tmp_path, "basic", env={"RPC_OBSERVE": "1"}, rank_env={1: {"RPC_OBSERVE_HANG_SECONDS": "45"}},
+                      hold=True)
     try:
         cluster.wait_ready()
-        target = cluster.targets()["worker1"]
+        targets = cluster.targets()
         with pytest.raises(urllib.error.HTTPError) as raised:
-            urllib.request.urlopen(f"http://{target}/debug/rpc/../secrets", timeout=10)
+            urllib.request.urlopen(f"http://{targets['worker1']}/debug/rpc/../secrets", timeout=10)
         assert raised.value.code == 404
-        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
-            assert b"torch_rpc_client_oldest_call_age_seconds" in response.read()
+        thresholds = {}
+        for worker in ("worker0", "worker1"):
+            with urllib.request.urlopen(f"http://{targets[worker]}/metrics", timeout=10) as response:
+                scraped = samples(response.read().decode())
+            assert any(name == "torch_rpc_client_oldest_call_age_seconds" for name, _, _ in scraped)
+            thresholds[worker] = total(scraped, "rpc_observe_hang_threshold_seconds", worker=worker)
+        # Each worker's own RPC_OBSERVE_HANG_SECONDS, which the stuck alerts compare the ages with.
+        assert thresholds == {"worker0": 30.0, "worker1": 45.0}
     finally:
         cluster.wait()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import queue
 import threading
 import time
 import urllib.error
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "rpc_observe.debug/1"
+MAX_FETCHES = 64  # workers read at once: a job of thousands costs 64 threads, not thousands
 ACCEPTED = ("a run dir (RPC_OBSERVE_DIR, with targets/*.json or debug/*.json), a worker URL "
             "http://host:port, or a dump file <worker>-<pid>.json")
 _MAX_BYTES = 64 << 20  # a snapshot is kilobytes; more is not one
@@ -111,28 +113,38 @@ def fetch_snapshot(url: str, timeout_s: float) -> dict[str, Any]:
 
 
 def fetch_all(urls: Sequence[str], timeout_s: float) -> dict[str, dict[str, Any] | str]:
-    """Fetch every URL at once (a thread each): url -> snapshot, or the reason it failed.
-    Returns within about ``timeout_s`` whatever the workers do (a stopped one never answers)."""
+    """Fetch every URL, up to MAX_FETCHES at once: url -> snapshot, or the reason it failed.
+    Returns within about ``timeout_s`` per MAX_FETCHES workers whatever they do (a stopped one never answers)."""
     results: dict[str, dict[str, Any] | str] = {}
+    pending = queue.SimpleQueue[str]()
+    unique = list(dict.fromkeys(urls))
+    for url in unique:
+        pending.put(url)
 
-    def fetch(url: str) -> None:
-        try:
-            results[url] = fetch_snapshot(url, timeout_s)
-        except BadInput as e:
-            results[url] = str(e)
-        except Exception as e:  # whatever urllib raises, the worker is unreadable: say why
-            results[url] = one_line(f"{type(e).__name__}: {e}")
+    def fetch() -> None:
+        while True:
+            try:
+                url = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[url] = fetch_snapshot(url, timeout_s)
+            except BadInput as e:
+                results[url] = str(e)
+            except Exception as e:  # whatever urllib raises, the worker is unreadable: say why
+                results[url] = one_line(f"{type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=fetch, args=(url,), daemon=True, name=f"doctor {url}")
-               for url in dict.fromkeys(urls)]
+    threads = [threading.Thread(target=fetch, daemon=True, name=f"doctor fetch {i}")
+               for i in range(min(MAX_FETCHES, len(unique)))]
     for thread in threads:
         thread.start()
     # urlopen's timeout bounds each socket operation, not a slow answer or a name lookup: one
     # deadline for all (the threads are daemons; one still running is a worker that did not answer).
-    deadline = time.monotonic() + timeout_s + 0.5
+    rounds = -(-len(unique) // MAX_FETCHES)
+    deadline = time.monotonic() + rounds * timeout_s + 0.5
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    return {url: results.get(url, f"no answer within {timeout_s:g} s") for url in dict.fromkeys(urls)}
+    return {url: results.get(url, f"no answer within {timeout_s:g} s") for url in unique}
 
 
 def read_targets(run_dir: Path) -> dict[str, tuple[str, str | None]]:

@@ -34,7 +34,7 @@ def attach(runtime: Runtime) -> None:
     runtime.add_closing(calls.end_unfinished)
     if runtime.metrics is not None and runtime.state is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
-        runtime.state.source = lambda: snapshot.age_gauges() + torch_state.debug_state()
+        runtime.state.source = lambda: snapshot.age_gauges(config.hang_seconds) + torch_state.debug_state()
     if compat.check("traffic"):
         _patch_traffic()
     if (config.profiler_events or config.profile) and compat.check("profiler"):

@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
+from ..config import DEFAULT_HANG_SECONDS
 from . import calls, native, torch_state
 
 MAX_FRAMES = 64  # the innermost frames of a stack
@@ -70,11 +71,13 @@ def ages() -> tuple[float, float]:
     return call_age, (now - min(starts)) / 1e9 if starts else 0.0
 
 
-def age_gauges() -> list[tuple[str, float]]:
-    """The watchdog's two gauges, for the scrape: (metric name, value)."""
+def age_gauges(hang_seconds: float) -> list[tuple[str, float]]:
+    """The watchdog's gauges, for the scrape: (metric name, value); the threshold is exported so that an
+    alert compares each worker's ages with that worker's own RPC_OBSERVE_HANG_SECONDS."""
     call_age, udf_age = ages()
     return [("torch_rpc_client_oldest_call_age_seconds", call_age),
-            ("torch_rpc_server_oldest_udf_age_seconds", udf_age)]
+            ("torch_rpc_server_oldest_udf_age_seconds", udf_age),
+            ("rpc_observe_hang_threshold_seconds", hang_seconds or DEFAULT_HANG_SECONDS)]
 
 
 def _agent() -> dict[str, int] | None:

@@ -125,6 +125,9 @@ STATE_METRICS = (
                       "Age of the oldest client RPC this worker has in flight (0: none).", unit="seconds"),
     MetricDeclaration("torch_rpc_server_oldest_udf_age_seconds", "gauge",
                       "Age of the oldest Python UDF this worker is running (0: none).", unit="seconds"),
+    MetricDeclaration("rpc_observe_hang_threshold_seconds", "gauge",
+                      "The age at which this worker counts a call or UDF as stuck (RPC_OBSERVE_HANG_SECONDS; "
+                      "30 when the watchdog is off): the stuck alerts compare the two ages with it.", unit="seconds"),
     MetricDeclaration("torch_rpc_rref_owners", "gauge", "OwnerRRefs this worker holds (a steady rise is a leak)."),
     MetricDeclaration("torch_rpc_rref_pending_users", "gauge", "UserRRefs waiting for their owner's confirmation."),
     MetricDeclaration("torch_rpc_rref_forks", "gauge", "RRef forks this worker still tracks."),

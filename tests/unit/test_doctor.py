@@ -20,6 +20,7 @@ import pytest
 
 from rpc_observe import doctor
 from rpc_observe.doctor import SCHEMA, Worker, diagnose, main, render_text
+from rpc_observe.doctor import sources as doctor_sources
 
 NOW = 1_790_000_000.0
 THREADING = "/usr/lib/python3.11/threading.py"
@@ -326,6 +327,39 @@ def test_live_snapshots_are_fetched_over_http(worker_endpoint: str, capsys: pyte
     assert status == 0 and out.startswith("OK: no call is stuck")
 
 
+def test_fetches_run_at_most_max_fetches_at_once_and_all_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job of many workers costs MAX_FETCHES threads, not one per worker, and every worker is still read."""
+    state = {"now": 0, "most": 0}
+    lock = threading.Lock()
+
+    class Slow(_SnapshotHandler):
+        snapshot = snap("worker0", [], idle=1)
+
+        def do_GET(self) -> None:
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            time.sleep(0.05)
+            with lock:
+                state["now"] -= 1
+            self.path = self.path.partition("?")[0]
+            super().do_GET()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(doctor_sources, "MAX_FETCHES", 3)
+        # Distinct URLs of the same server: every path below /debug/rpc?n=... is one worker to read.
+        urls = [f"http://127.0.0.1:{server.server_address[1]}/debug/rpc?n={i}" for i in range(12)]
+        results = doctor_sources.fetch_all(urls, 2.0)
+        assert not [t for t in threading.enumerate() if t.name.startswith("doctor fetch")]  # the fetchers are gone
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert state["most"] == 3
+    assert sorted(results) == sorted(urls) and all(isinstance(r, dict) for r in results.values()), results
+
+
 def test_a_worker_that_never_answers_is_unreachable_within_the_timeout(
         tmp_path: Path, worker_endpoint: str, silent_endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "targets").mkdir()
@@ -344,3 +378,19 @@ def test_a_worker_that_never_answers_is_unreachable_within_the_timeout(
     status, out, _ = run_main(capsys, str(tmp_path), "--timeout", "0.5")
     assert status == 1 and out.startswith("UNREACHABLE: worker1 does not answer (")
     assert "worker1 unreachable (http://" in out and ", dump of " in out
+
+
+def test_the_recorders_dump_is_what_the_doctor_reads_and_the_merge_skips(tmp_path: Path) -> None:
+    """The schema is written in telemetry and read in doctor and merge (rooms that import no other):
+    a dump from the writer itself holds them to one format."""
+    from rpc_observe.merge.inputs import IgnoredInput, load_input
+    from rpc_observe.telemetry.recorder import FlightRecorder
+
+    tables = {"agent": None, "calls": [], "serving": [], "finished": [], "stacks": {}}
+    recorder = FlightRecorder("worker3", 3, "run1", str(tmp_path), 30.0, lambda read_torch: tables, lambda: (0.0, ""))
+    path = recorder.dump("hang")
+    assert path is not None
+    parsed = doctor_sources.read_dump(Path(path))
+    assert parsed["schema"] == SCHEMA and parsed["worker"] == "worker3" and parsed["reason"] == "hang"
+    with pytest.raises(IgnoredInput, match="flight recorder dump"):
+        load_input(Path(path))
