@@ -21,7 +21,7 @@ def attach(runtime: Runtime) -> None:
     import collections
 
     from ..telemetry.recorder import FlightRecorder
-    from . import calls, compat, pickler, snapshot, torch_state
+    from . import calls, compat, pickler, snapshot, torch_state, trailer
 
     config = runtime.config
     if calls.finished.maxlen != config.recorder_size:  # the pickler's inline ending appends to it too
@@ -32,6 +32,8 @@ def attach(runtime: Runtime) -> None:
     runtime.add_housekeeping(calls.sweep)
     runtime.add_closing(runtime.recorder.dump_if_calls_in_flight)  # first: before the calls are ended
     runtime.add_closing(calls.end_unfinished)
+    if runtime.metrics is not None and trailer.core is not None:  # the fold in C (its reference: metrics.py's)
+        runtime.metrics.fold_records = trailer.core.fold
     if runtime.metrics is not None and runtime.state is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
         runtime.state.source = lambda: snapshot.age_gauges(config.hang_seconds) + torch_state.debug_state()

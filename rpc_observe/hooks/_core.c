@@ -1853,6 +1853,338 @@ configure_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- The fold: Metrics.drain's queued records into their cells (telemetry/metrics.py, line by line) ----
+ *
+ * Each record starts with the Python fold function that takes it. A record of one of the five known folds, of the
+ * shapes metrics.py unpacks, is folded here; anything else (another function, another shape, a cell that is not a
+ * list of the bucket count's length) goes to that function itself, so the outcome, an exception included, is the
+ * reference's. Every check comes before the first change to a cell. */
+
+enum { FOLD_MESSAGE, FOLD_STARTED, FOLD_FINISHED, FOLD_SPLIT, FOLD_SERVED, FOLDS };
+enum { SIZE, COUNT, LATENCY, SERIALIZATION, BUCKET_KINDS };
+enum { MESSAGE_CELLS, CLIENT_CELLS, SERVER_CELLS, CELL_TYPES };
+
+static struct {
+    PyObject *folds[FOLDS];
+    PyObject *cell_types[CELL_TYPES];  /* MessageCells, ClientCells, ServerCells: read by name in metrics.py */
+    PyObject *buckets[BUCKET_KINDS];  /* the declared tuples, for comparisons a double cannot make exactly */
+    double *bounds[BUCKET_KINDS];  /* the same as doubles */
+    Py_ssize_t sizes[BUCKET_KINDS];
+    PyObject *one, *zero, *zero_float;
+} fold_refs;
+
+static PyObject *s_sampled;
+
+/* bisect.bisect_left(buckets, x), the same steps; x compared as a double when it is one exactly. */
+static Py_ssize_t
+bisect(int kind, PyObject *x)
+{
+    Py_ssize_t lo = 0, hi = fold_refs.sizes[kind];
+    double value = 0.0;
+    int exact = 0;
+    if (PyFloat_CheckExact(x)) {
+        value = PyFloat_AS_DOUBLE(x);
+        exact = 1;
+    }
+    else if (PyLong_CheckExact(x)) {
+        int overflow = 0;
+        long long n = PyLong_AsLongLongAndOverflow(x, &overflow);
+        if (!overflow && n > -(1LL << 53) && n < (1LL << 53)) {
+            value = (double)n;
+            exact = 1;
+        }
+    }
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        int less;
+        if (exact) {
+            less = fold_refs.bounds[kind][mid] < value;
+        }
+        else if ((less = PyObject_RichCompareBool(PyTuple_GET_ITEM(fold_refs.buckets[kind], mid), x, Py_LT)) < 0) {
+            return -1;
+        }
+        if (less) {
+            lo = mid + 1;
+        }
+        else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+/* cell[index] += value (or -=): a new object in the list, as Python's augmented assignment. */
+static int
+add_at(PyObject *cell, Py_ssize_t index, PyObject *value, int subtract)
+{
+    PyObject *item = PyList_GET_ITEM(cell, index);
+    PyObject *sum = subtract ? PyNumber_InPlaceSubtract(item, value) : PyNumber_InPlaceAdd(item, value);
+    if (sum == NULL) {
+        return -1;
+    }
+    PyList_SetItem(cell, index, sum);  /* steals `sum`, releases the old item */
+    return 0;
+}
+
+/* A histogram cell of `kind`: a list of the bucket counts (+Inf included) and the sum. */
+static int
+is_histogram(PyObject *cell, int kind)
+{
+    return PyList_CheckExact(cell) && PyList_GET_SIZE(cell) == fold_refs.sizes[kind] + 2;
+}
+
+/* `x if x > 0 else 0.0`: a duration clamped at 0, as client_python does (a new reference). */
+static PyObject *
+clamped(PyObject *x)
+{
+    int positive = PyObject_RichCompareBool(x, fold_refs.zero, Py_GT);
+    return positive < 0 ? NULL : Py_NewRef(positive ? x : fold_refs.zero_float);
+}
+
+/* `cell[bisect(buckets, x)] += 1; cell[-1] += x` (x clamped at 0 if `clamp`), in that order; the bucket in
+ * *bucket when it is asked for. */
+static int
+observe(PyObject *cell, int kind, PyObject *x, int clamp, Py_ssize_t *bucket)
+{
+    Py_ssize_t i = bisect(kind, x);
+    if (i < 0 || add_at(cell, i, fold_refs.one, 0) < 0) {
+        return -1;
+    }
+    PyObject *added = clamp ? clamped(x) : Py_NewRef(x);
+    int failed = added == NULL || add_at(cell, PyList_GET_SIZE(cell) - 1, added, 0) < 0;
+    Py_XDECREF(added);
+    if (bucket != NULL) {
+        *bucket = i;
+    }
+    return failed ? -1 : 0;
+}
+
+/* `if span is not None and span.sampled: exemplars[bucket] = (span, seconds)` */
+static int
+keep_exemplar(PyObject *exemplars, Py_ssize_t bucket, PyObject *span, PyObject *seconds)
+{
+    if (span == Py_None) {
+        return 0;
+    }
+    PyObject *sampled = PyObject_GetAttr(span, s_sampled);
+    int yes = sampled == NULL ? -1 : PyObject_IsTrue(sampled);
+    Py_XDECREF(sampled);
+    if (yes <= 0) {
+        return yes;
+    }
+    PyObject *pair = PyTuple_Pack(2, span, seconds);
+    return pair == NULL ? -1 : PyList_SetItem(exemplars, bucket, pair);
+}
+
+/* A latency histogram and its exemplar slots (ClientCells.duration/.exemplars, ServerCells's). */
+static int
+is_timed(PyObject *cell, PyObject *exemplars)
+{
+    return is_histogram(cell, LATENCY) && PyList_CheckExact(exemplars) &&
+           PyList_GET_SIZE(exemplars) == fold_refs.sizes[LATENCY] + 1;
+}
+
+static int
+is_counter(PyObject *cell)
+{
+    return PyList_CheckExact(cell) && PyList_GET_SIZE(cell) >= 1;
+}
+
+#define ITEM(tuple, i) PyTuple_GET_ITEM((tuple), (i))
+
+/* 1 folded, 0 not a record this code knows (the caller runs its function), -1 an error. */
+static int
+fold_known(PyObject *r)
+{
+    if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) < 2) {
+        return 0;
+    }
+    PyObject *fold = ITEM(r, 0), *cells = ITEM(r, 1);
+    Py_ssize_t n = PyTuple_GET_SIZE(r);
+    PyObject *cells_type = (PyObject *)Py_TYPE(cells);
+    if (!PyTuple_Check(cells)) {
+        return 0;
+    }
+    Py_ssize_t ncells = PyTuple_GET_SIZE(cells);
+    if (fold == fold_refs.folds[FOLD_MESSAGE]) {
+        /* (fold, MessageCells, payload bytes, tensors, tensor bytes, storage bytes, seconds, peer cell, wire) */
+        if (n != 9 || cells_type != fold_refs.cell_types[MESSAGE_CELLS] || ncells != 5 || !is_histogram(ITEM(cells, 0), SIZE) || !is_histogram(ITEM(cells, 1), COUNT) ||
+            !is_histogram(ITEM(cells, 2), SIZE) || !is_histogram(ITEM(cells, 3), SIZE) ||
+            !is_histogram(ITEM(cells, 4), SERIALIZATION) || !(ITEM(r, 7) == Py_None || is_counter(ITEM(r, 7)))) {
+            return 0;
+        }
+        if (ITEM(r, 7) != Py_None && add_at(ITEM(r, 7), 0, ITEM(r, 8), 0) < 0) {
+            return -1;
+        }
+        static const int kinds[4] = {SIZE, COUNT, SIZE, SIZE};
+        for (int i = 0; i < 4; i++) {
+            if (observe(ITEM(cells, i), kinds[i], ITEM(r, 2 + i), 0, NULL) < 0) {
+                return -1;
+            }
+        }
+        return observe(ITEM(cells, 4), SERIALIZATION, ITEM(r, 6), 1, NULL) < 0 ? -1 : 1;
+    }
+    if (fold == fold_refs.folds[FOLD_STARTED]) {  /* (fold, ClientCells) */
+        if (n != 2 || cells_type != fold_refs.cell_types[CLIENT_CELLS] || ncells != 8 || !is_counter(ITEM(cells, 1)) || !is_counter(ITEM(cells, 2))) {
+            return 0;
+        }
+        return add_at(ITEM(cells, 1), 0, fold_refs.one, 0) < 0 || add_at(ITEM(cells, 2), 0, fold_refs.one, 0) < 0
+               ? -1 : 1;
+    }
+    if (fold == fold_refs.folds[FOLD_FINISHED] || fold == fold_refs.folds[FOLD_SPLIT]) {
+        /* (fold, ClientCells, seconds, span) or (fold, ClientCells, seconds, callee seconds, span) */
+        int split = fold == fold_refs.folds[FOLD_SPLIT];
+        if (n != (split ? 5 : 4) || cells_type != fold_refs.cell_types[CLIENT_CELLS] || ncells != 8 || !is_timed(ITEM(cells, 0), ITEM(cells, 7)) ||
+            !is_counter(ITEM(cells, 2)) ||
+            (split && (!is_histogram(ITEM(cells, 5), LATENCY) || !is_histogram(ITEM(cells, 6), LATENCY)))) {
+            return 0;
+        }
+        PyObject *seconds = ITEM(r, 2), *span = ITEM(r, n - 1);
+        Py_ssize_t bucket = 0;
+        int failed = observe(ITEM(cells, 0), LATENCY, seconds, 1, &bucket) < 0 ||
+                     add_at(ITEM(cells, 2), 0, fold_refs.one, 1) < 0 ||
+                     keep_exemplar(ITEM(cells, 7), bucket, span, seconds) < 0;
+        if (failed || !split) {
+            return failed ? -1 : 1;
+        }
+        PyObject *callee = ITEM(r, 3);
+        if (observe(ITEM(cells, 5), LATENCY, callee, 0, NULL) < 0) {
+            return -1;
+        }
+        /* outside = seconds - callee if seconds > callee else 0.0 */
+        int longer = PyObject_RichCompareBool(seconds, callee, Py_GT);
+        PyObject *outside = longer < 0 ? NULL : longer ? PyNumber_Subtract(seconds, callee)
+                                                       : Py_NewRef(fold_refs.zero_float);
+        failed = outside == NULL || observe(ITEM(cells, 6), LATENCY, outside, 0, NULL) < 0;
+        Py_XDECREF(outside);
+        return failed ? -1 : 1;
+    }
+    if (fold == fold_refs.folds[FOLD_SERVED]) {  /* (fold, ServerCells, seconds, span) */
+        if (n != 4 || cells_type != fold_refs.cell_types[SERVER_CELLS] || ncells != 2 || !is_timed(ITEM(cells, 0), ITEM(cells, 1))) {
+            return 0;
+        }
+        PyObject *seconds = ITEM(r, 2);
+        Py_ssize_t bucket = 0;
+        return observe(ITEM(cells, 0), LATENCY, seconds, 1, &bucket) < 0 ||
+               keep_exemplar(ITEM(cells, 1), bucket, ITEM(r, 3), seconds) < 0 ? -1 : 1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(fold_doc,
+"fold(records, n, /)\n--\n\n"
+"metrics.fold_records: pops `n` records off the left of the deque `records` and folds each into its cells.");
+
+static PyObject *
+fold(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "fold(records, n)");
+        return NULL;
+    }
+    if (fold_refs.one == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_core.configure_fold was not called");
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *popleft = PyObject_GetAttrString(args[0], "popleft");
+    if (popleft == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *record = PyObject_CallNoArgs(popleft);
+        if (record == NULL) {
+            Py_DECREF(popleft);
+            return NULL;
+        }
+        int done = fold_known(record);
+        if (done == 0) {  /* record[0](record) */
+            PyObject *function = PySequence_GetItem(record, 0);
+            PyObject *result = function != NULL ? PyObject_CallOneArg(function, record) : NULL;
+            Py_XDECREF(function);
+            Py_XDECREF(result);
+            done = result != NULL ? 1 : -1;
+        }
+        Py_DECREF(record);
+        if (done < 0) {
+            Py_DECREF(popleft);
+            return NULL;
+        }
+    }
+    Py_DECREF(popleft);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(configure_fold_doc,
+"configure_fold(fold_message, fold_started, fold_finished, fold_split, fold_served,\n"
+"               size_buckets, count_buckets, latency_buckets, serialization_buckets,\n"
+"               message_cells, client_cells, server_cells, /)\n--\n\n"
+"Hands `fold` metrics.py's fold functions, the declared buckets (increasing floats) and the cell tuples' types.");
+
+static PyObject *
+configure_fold(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != FOLDS + BUCKET_KINDS + CELL_TYPES) {
+        PyErr_SetString(PyExc_TypeError, "configure_fold takes 12 arguments");
+        return NULL;
+    }
+    for (int c = 0; c < CELL_TYPES; c++) {
+        if (!PyType_Check(args[FOLDS + BUCKET_KINDS + c])) {
+            PyErr_SetString(PyExc_TypeError, "configure_fold: the cells' types must be types");
+            return NULL;
+        }
+    }
+    double *bounds[BUCKET_KINDS] = {NULL};
+    for (int k = 0; k < BUCKET_KINDS; k++) {
+        PyObject *buckets = args[FOLDS + k];
+        Py_ssize_t size = PyTuple_Check(buckets) ? PyTuple_GET_SIZE(buckets) : -1;
+        if (size < 0 || (bounds[k] = PyMem_Calloc((size_t)size + 1, sizeof(double))) == NULL) {
+            if (size < 0) {
+                PyErr_SetString(PyExc_TypeError, "configure_fold: the buckets must be tuples of floats");
+            }
+            else {
+                PyErr_NoMemory();
+            }
+            goto failed;
+        }
+        for (Py_ssize_t i = 0; i < size; i++) {
+            PyObject *bound = PyTuple_GET_ITEM(buckets, i);
+            if (!PyFloat_CheckExact(bound) || (i > 0 && !(bounds[k][i - 1] < PyFloat_AS_DOUBLE(bound)))) {
+                PyErr_SetString(PyExc_TypeError, "configure_fold: the buckets must be increasing floats");
+                goto failed;
+            }
+            bounds[k][i] = PyFloat_AS_DOUBLE(bound);
+        }
+    }
+    if ((fold_refs.one == NULL && (fold_refs.one = PyLong_FromLong(1)) == NULL) ||
+        (fold_refs.zero == NULL && (fold_refs.zero = PyLong_FromLong(0)) == NULL) ||
+        (fold_refs.zero_float == NULL && (fold_refs.zero_float = PyFloat_FromDouble(0.0)) == NULL) ||
+        (s_sampled == NULL && (s_sampled = PyUnicode_InternFromString("sampled")) == NULL)) {
+        goto failed;
+    }
+    for (int f = 0; f < FOLDS; f++) {
+        Py_XSETREF(fold_refs.folds[f], Py_NewRef(args[f]));
+    }
+    for (int c = 0; c < CELL_TYPES; c++) {
+        Py_XSETREF(fold_refs.cell_types[c], Py_NewRef(args[FOLDS + BUCKET_KINDS + c]));
+    }
+    for (int k = 0; k < BUCKET_KINDS; k++) {
+        Py_XSETREF(fold_refs.buckets[k], Py_NewRef(args[FOLDS + k]));
+        PyMem_Free(fold_refs.bounds[k]);
+        fold_refs.bounds[k] = bounds[k];
+        fold_refs.sizes[k] = PyTuple_GET_SIZE(args[FOLDS + k]);
+    }
+    Py_RETURN_NONE;
+failed:
+    for (int k = 0; k < BUCKET_KINDS; k++) {
+        PyMem_Free(bounds[k]);
+    }
+    return NULL;
+}
+
 static PyMethodDef core_methods[] = {
     {"parse", parse, METH_O, parse_doc},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
@@ -1860,6 +2192,8 @@ static PyMethodDef core_methods[] = {
     {"configure_run", (PyCFunction)(void (*)(void))configure_run, METH_FASTCALL, configure_run_doc},
     {"configure_invoke", (PyCFunction)(void (*)(void))configure_invoke, METH_FASTCALL, configure_invoke_doc},
     {"new_call", (PyCFunction)(void (*)(void))new_call, METH_FASTCALL, new_call_doc},
+    {"configure_fold", (PyCFunction)(void (*)(void))configure_fold, METH_FASTCALL, configure_fold_doc},
+    {"fold", (PyCFunction)(void (*)(void))fold, METH_FASTCALL, fold_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},
     {NULL, NULL, 0, NULL},

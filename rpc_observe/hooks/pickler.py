@@ -18,7 +18,17 @@ from torch.distributed.rpc.internal import PythonUDF, RemoteException
 
 from ..telemetry import health
 from ..telemetry import runtime as _runtime
-from ..telemetry.metrics import MessageCells, fold_finished, fold_message, fold_split
+from ..telemetry.declarations import COUNT_BUCKETS, LATENCY_BUCKETS, SERIALIZATION_BUCKETS, SIZE_BUCKETS
+from ..telemetry.metrics import (
+    ClientCells,
+    MessageCells,
+    ServerCells,
+    fold_finished,
+    fold_message,
+    fold_served,
+    fold_split,
+    fold_started,
+)
 from . import calls, trailer
 from .naming import RREF_FETCH, is_proxy, method_name, proxy_method
 
@@ -162,6 +172,9 @@ def configure_core(time_ns: Callable[[], int], perf_counter: Callable[[], float]
                         PythonUDF, _IncomingUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns, _local,
                         _next_id, _pending_replies, _MAX_IN_FLIGHT)
         _core.configure_hooks(_runtime, perf_counter, health.internal_error, _on_other_message, _serialize_other)
+        _core.configure_fold(fold_message, fold_started, fold_finished, fold_split, fold_served, SIZE_BUCKETS,
+                             COUNT_BUCKETS, LATENCY_BUCKETS, SERIALIZATION_BUCKETS, MessageCells, ClientCells,
+                             ServerCells)
 
 
 configure_core(_time_ns, _perf_counter)

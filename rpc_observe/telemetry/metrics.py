@@ -219,6 +219,15 @@ def fold_served(r: ServedRecord) -> None:
         cells.exemplars[bucket] = (span, seconds)
 
 
+def fold_records(records: collections.deque[Record], n: int) -> None:
+    """Pops `n` records off the left of `records` and folds each with the function it starts with.
+    The reference of the C core's `fold` (hooks/_core.c), which `Metrics.fold_records` becomes where it is built."""
+    pop = records.popleft
+    for _ in range(n):
+        record = pop()
+        record[0](record)  # type: ignore[arg-type]  # each record holds the fold that takes it
+
+
 def _exemplar(span: Any, seconds: float) -> Exemplar:
     """OpenMetrics exemplar of a sampled call: its trace and span ids (shown only to an OpenMetrics scrape)."""
     return Exemplar({"trace_id": format(span.trace_id, "032x"), "span_id": format(span.span_id, "016x")},
@@ -241,6 +250,8 @@ class Metrics(Collector):
         self.worker = worker
         self._records: collections.deque[Record] = collections.deque()
         self.record: Callable[[Record], None] = self._records.append  # one C call, safe across threads
+        # The fold of `drain`: `fold_records`, or the C core's where the hooks found it built.
+        self.fold_records: Callable[[collections.deque[Record], int], None] = fold_records
         self._before_collect = before_collect
         self._limits = {"method": max_names, "peer": max_peers, "exception": max_names}
         self._names: dict[str, set] = {"method": set(), "peer": set(), "exception": set()}
@@ -293,12 +304,9 @@ class Metrics(Collector):
     # -- hot path: `record((fold_..., ...))`, one deque append ---------------------
     def drain(self, limit: int | None = None) -> bool:
         """Folds up to `limit` queued records (all if None) into the metric cells; True if some are left."""
-        records, pop = self._records, self._records.popleft
+        records = self._records
         with self.lock:
-            n = len(records) if limit is None else min(limit, len(records))
-            for _ in range(n):
-                record = pop()
-                record[0](record)  # type: ignore[arg-type]  # each record holds the fold that takes it
+            self.fold_records(records, len(records) if limit is None else min(limit, len(records)))
         return bool(records)
 
     def client_cells(self, method: str, mode: str, dst: str) -> ClientCells:
