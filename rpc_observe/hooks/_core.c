@@ -1049,6 +1049,7 @@ intern_run_names(void)
 /* What one UDF run holds between its start and its end (server.py's locals). */
 typedef struct {
     PyObject *fields, *site, *span, *token, *tracer, *thread, *outer;
+    PyObject *span_serving, *span_outer;  /* Tracer.attach without a TracerProvider, inline: its table, what it held */
     long long start_ns;
     int tid;  /* a profiler is armed: the run ends through Serving.finish */
     int served;  /* this run is in the serving table */
@@ -1064,6 +1065,262 @@ run_state_clear(run_state *r)
     Py_CLEAR(r->tracer);
     Py_CLEAR(r->thread);
     Py_CLEAR(r->outer);
+    Py_CLEAR(r->span_serving);
+    Py_CLEAR(r->span_outer);
+}
+
+/* ---- SERVER spans: Tracer.start_server, attach, detach and end (telemetry/tracing.py), inline where they are plain ---- */
+
+static struct {
+    PyObject *span_type;  /* tracing.SpanRecord */
+    PyObject *getrandbits;  /* tracing._getrandbits (random.getrandbits; a test's in tests) */
+    PyObject *trace_module;  /* opentelemetry.trace: _TRACER_PROVIDER set means attach through its context */
+    PyObject *bits64, *server_kind;
+} span_refs;
+
+static PyObject *s_fast_propagation, *s_parent_based, *s_serving_attr, *s_tracer_provider, *s_end_ns, *s_queue,
+    *s_max_queue, *s_append, *s_sampled_attr;
+
+#define TRACEPARENT_ENTRY_SIZE 67  /* "traceparent=" vv-<32 hex>-<16 hex>-ff */
+
+static int
+lower_hex(const char *p, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f'))) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* propagation.TRACEPARENT_ENTRY's fullmatch and parse_traceparent's checks: 1 and the ids as text if `entry` is a
+ * valid `traceparent=...` entry with non-zero ids, 0 if not. */
+static int
+read_traceparent(PyObject *entry, const char **trace_hex, const char **parent_hex, int *sampled)
+{
+    if (!PyUnicode_CheckExact(entry) || !PyUnicode_IS_ASCII(entry) ||
+        PyUnicode_GET_LENGTH(entry) != TRACEPARENT_ENTRY_SIZE) {
+        return 0;
+    }
+    const char *p = (const char *)PyUnicode_DATA(entry);
+    if (memcmp(p, "traceparent=", 12) != 0) {
+        return 0;
+    }
+    p += 12;
+    if (!lower_hex(p, 2) || (p[0] == 'f' && p[1] == 'f') || p[2] != '-' || !lower_hex(p + 3, 32) || p[35] != '-' ||
+        !lower_hex(p + 36, 16) || p[52] != '-' || !lower_hex(p + 53, 2)) {
+        return 0;
+    }
+    int trace_zero = 1, parent_zero = 1;
+    for (int i = 0; i < 32; i++) {
+        trace_zero &= p[3 + i] == '0';
+    }
+    for (int i = 0; i < 16; i++) {
+        parent_zero &= p[36 + i] == '0';
+    }
+    if (trace_zero || parent_zero) {
+        return 0;
+    }
+    char last = p[54];
+    *sampled = ((last >= '0' && last <= '9') ? last - '0' : last - 'a' + 10) & 1;  /* SAMPLED_LAST_DIGITS */
+    *trace_hex = p + 3;
+    *parent_hex = p + 36;
+    return 1;
+}
+
+static PyObject *
+hex_int(const char *hex, Py_ssize_t n)
+{
+    char buffer[33];
+    memcpy(buffer, hex, (size_t)n);
+    buffer[n] = '\0';
+    return PyLong_FromString(buffer, NULL, 16);
+}
+
+PyDoc_STRVAR(parse_traceparent_doc,
+"parse_traceparent(entry, /)\n--\n\n"
+"(trace_id, parent_id, sampled) of a `traceparent=...` carrier entry, or None: what Tracer.start_server reads\n"
+"with propagation.TRACEPARENT_ENTRY (its reference).");
+
+static PyObject *
+parse_traceparent(PyObject *module, PyObject *entry)
+{
+    const char *trace_hex, *parent_hex;
+    int sampled;
+    if (!read_traceparent(entry, &trace_hex, &parent_hex, &sampled)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *trace_id = hex_int(trace_hex, 32), *parent_id = trace_id != NULL ? hex_int(parent_hex, 16) : NULL;
+    PyObject *result = parent_id != NULL ? Py_BuildValue("(OOO)", trace_id, parent_id, sampled ? Py_True : Py_False)
+                                         : NULL;
+    Py_XDECREF(trace_id);
+    Py_XDECREF(parent_id);
+    return result;
+}
+
+/* An attribute's truth; -1 with an error. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    int truth = value != NULL ? PyObject_IsTrue(value) : -1;
+    Py_XDECREF(value);
+    return truth;
+}
+
+/* tracer.start_server(name, attributes, fields[4:], start_ns): inline for a caller that sent one valid traceparent to
+ * a tracer that follows its flag (tracecontext/baggage propagators, a parentbased_ sampler); else the method. */
+static PyObject *
+start_server_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObject *fields, long long start_ns)
+{
+    const char *trace_hex, *parent_hex;
+    int sampled = 0, fast = span_refs.span_type != NULL && fields != Py_None && PyList_GET_SIZE(fields) == 5 &&
+                           read_traceparent(PyList_GET_ITEM(fields, 4), &trace_hex, &parent_hex, &sampled);
+    if (fast) {
+        int propagates = attr_true(tracer, s_fast_propagation), parent_based = attr_true(tracer, s_parent_based);
+        if (propagates < 0 || parent_based < 0) {
+            return NULL;
+        }
+        fast = propagates && parent_based;
+    }
+    PyObject *start = PyLong_FromLongLong(start_ns);
+    if (start == NULL) {
+        return NULL;
+    }
+    if (!fast) {
+        PyObject *context = fields != Py_None ? PyList_GetSlice(fields, 4, PY_SSIZE_T_MAX) : Py_NewRef(Py_None);
+        PyObject *span = context != NULL
+            ? PyObject_CallMethodObjArgs(tracer, s_start_server, name, attributes, context, start, NULL) : NULL;
+        Py_XDECREF(context);
+        Py_DECREF(start);
+        return span;
+    }
+    PyObject *trace_id = hex_int(trace_hex, 32), *parent_id = trace_id != NULL ? hex_int(parent_hex, 16) : NULL;
+    PyObject *span_id = parent_id != NULL ? PyObject_CallOneArg(span_refs.getrandbits, span_refs.bits64) : NULL;
+    PyObject *span = NULL;
+    if (span_id != NULL) {
+        /* SpanRecord(name, SERVER, trace_id, span_id, parent_id, remote_parent, sampled, attributes, start_ns) */
+        PyObject *args[] = {name, span_refs.server_kind, trace_id, span_id, parent_id, Py_True,
+                            sampled ? Py_True : Py_False, attributes, start};
+        span = PyObject_Vectorcall(span_refs.span_type, args, 9, NULL);
+    }
+    Py_XDECREF(trace_id);
+    Py_XDECREF(parent_id);
+    Py_XDECREF(span_id);
+    Py_DECREF(start);
+    return span;
+}
+
+/* tracer.attach(span): without a TracerProvider, its per-thread entry inline (what was there kept in `r`). */
+static int
+attach_server_span(run_state *r)
+{
+    PyObject *provider = PyObject_GetAttr(span_refs.trace_module, s_tracer_provider);
+    if (provider == NULL) {
+        return -1;
+    }
+    int plain = provider == Py_None;
+    Py_DECREF(provider);
+    if (!plain) {
+        return (r->token = PyObject_CallMethodOneArg(r->tracer, s_attach, r->span)) == NULL ? -1 : 0;
+    }
+    if ((r->span_serving = PyObject_GetAttr(r->tracer, s_serving_attr)) == NULL) {
+        return -1;
+    }
+    if (!PyDict_CheckExact(r->span_serving)) {
+        Py_CLEAR(r->span_serving);
+        return (r->token = PyObject_CallMethodOneArg(r->tracer, s_attach, r->span)) == NULL ? -1 : 0;
+    }
+    r->span_outer = PyDict_GetItemWithError(r->span_serving, r->thread);
+    if (r->span_outer == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    Py_XINCREF(r->span_outer);
+    if (PyDict_SetItem(r->span_serving, r->thread, r->span) < 0) {
+        Py_CLEAR(r->span_serving);  /* nothing to undo */
+        return -1;
+    }
+    return 0;
+}
+
+/* tracer.detach(token) of the inline attach: what the thread's entry held before, back. */
+static int
+detach_server_span(run_state *r)
+{
+    if (r->span_serving == NULL) {
+        return 0;
+    }
+    int failed = r->span_outer != NULL ? PyDict_SetItem(r->span_serving, r->thread, r->span_outer)
+                                       : PyDict_DelItem(r->span_serving, r->thread);
+    if (failed < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+            return -1;
+        }
+        PyErr_Clear();  /* serving.pop(ident, None) */
+    }
+    Py_CLEAR(r->span_serving);
+    return 0;
+}
+
+/* tracer.end(span, end_ns) of a span that ended without an error: queued if sampled and the queue has room, else
+ * the method (which counts a full queue). */
+static int
+end_span(PyObject *tracer, PyObject *span, long long end_ns)
+{
+    PyObject *end = PyLong_FromLongLong(end_ns);
+    if (end == NULL || PyObject_SetAttr(span, s_end_ns, end) < 0) {
+        Py_XDECREF(end);
+        return -1;
+    }
+    int sampled = attr_true(span, s_sampled_attr);
+    if (sampled <= 0) {
+        Py_DECREF(end);
+        return sampled;
+    }
+    PyObject *queue = PyObject_GetAttr(tracer, s_queue), *max = PyObject_GetAttr(tracer, s_max_queue);
+    Py_ssize_t size = queue != NULL ? PyObject_Length(queue) : -1, limit = max != NULL ? PyLong_AsSsize_t(max) : -1;
+    PyObject *done = NULL;
+    if (size >= 0 && !(limit == -1 && PyErr_Occurred())) {
+        done = size < limit ? PyObject_CallMethodOneArg(queue, s_append, span)
+                            : PyObject_CallMethodObjArgs(tracer, s_end, span, end, NULL);
+    }
+    Py_XDECREF(queue);
+    Py_XDECREF(max);
+    Py_DECREF(end);
+    Py_XDECREF(done);
+    return done != NULL ? 0 : -1;
+}
+
+PyDoc_STRVAR(configure_spans_doc,
+"configure_spans(span_type, getrandbits, trace_module, /)\n--\n\n"
+"Hands the SERVER span's inline start its SpanRecord type, id source and opentelemetry.trace (server.py, at import).");
+
+static PyObject *
+configure_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "configure_spans(span_type: type, getrandbits, trace_module)");
+        return NULL;
+    }
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&s_fast_propagation, "_fast_propagation"}, {&s_parent_based, "_parent_based"}, {&s_serving_attr, "serving"},
+        {&s_tracer_provider, "_TRACER_PROVIDER"}, {&s_end_ns, "end_ns"}, {&s_queue, "_queue"},
+        {&s_max_queue, "_max_queue"}, {&s_append, "append"}, {&s_sampled_attr, "sampled"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
+            return NULL;
+        }
+    }
+    if ((span_refs.bits64 == NULL && (span_refs.bits64 = PyLong_FromLong(64)) == NULL) ||
+        (span_refs.server_kind == NULL && (span_refs.server_kind = PyLong_FromLong(2)) == NULL)) {  /* SERVER */
+        return NULL;
+    }
+    Py_XSETREF(span_refs.span_type, Py_NewRef(args[0]));
+    Py_XSETREF(span_refs.getrandbits, Py_NewRef(args[1]));
+    Py_XSETREF(span_refs.trace_module, Py_NewRef(args[2]));
+    Py_RETURN_NONE;
 }
 
 /* The site of this run: (func, src, mode) looked up inline; an RRef proxy, an unhashable func or a miss: Python. */
@@ -1136,18 +1393,17 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
     if ((r->tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL) {
         return -1;
     }
+    if ((r->thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL) {
+        return -1;
+    }
     if (r->tracer != Py_None) {
         PyObject *name = PyObject_GetAttr(r->site, s_span_name), *attributes = PyObject_GetAttr(r->site, s_attributes);
-        PyObject *context = r->fields != Py_None ? PyList_GetSlice(r->fields, 4, PY_SSIZE_T_MAX) : Py_NewRef(Py_None);
-        PyObject *start = PyLong_FromLongLong(r->start_ns);
-        if (name != NULL && attributes != NULL && context != NULL && start != NULL) {
-            r->span = PyObject_CallMethodObjArgs(r->tracer, s_start_server, name, attributes, context, start, NULL);
+        if (name != NULL && attributes != NULL) {
+            r->span = start_server_span(r->tracer, name, attributes, r->fields, r->start_ns);
         }
         Py_XDECREF(name);
         Py_XDECREF(attributes);
-        Py_XDECREF(context);
-        Py_XDECREF(start);
-        if (r->span == NULL || (r->token = PyObject_CallMethodOneArg(r->tracer, s_attach, r->span)) == NULL) {
+        if (r->span == NULL || attach_server_span(r) < 0) {
             return -1;
         }
     }
@@ -1164,9 +1420,6 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
     Py_DECREF(profiler);
     Py_XDECREF(armed);
     if (r->tid < 0) {
-        return -1;
-    }
-    if ((r->thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL) {
         return -1;
     }
     r->outer = PyDict_GetItemWithError(hook_refs.serving, r->thread);  /* a UDF that runs another in-process */
@@ -1198,6 +1451,9 @@ run_detach(run_state *r)
             return -1;
         }
         PyErr_Clear();  /* serving.pop(thread, None) */
+    }
+    if (detach_server_span(r) < 0) {
+        return -1;
     }
     if (r->token != NULL) {
         PyObject *done = PyObject_CallMethodOneArg(r->tracer, s_detach, r->token);
@@ -1255,14 +1511,8 @@ run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
         }
     }
     Py_DECREF(record);
-    if (r->span != Py_None) {
-        PyObject *end = PyLong_FromLongLong(end_ns);
-        PyObject *done = end != NULL ? PyObject_CallMethodObjArgs(r->tracer, s_end, r->span, end, NULL) : NULL;
-        Py_XDECREF(end);
-        Py_XDECREF(done);
-        if (done == NULL) {
-            return -1;
-        }
+    if (r->span != Py_None && end_span(r->tracer, r->span, end_ns) < 0) {
+        return -1;
     }
     PyObject *replies = PyObject_GetAttr(r->site, s_replies);
     if (replies == NULL) {
@@ -2193,6 +2443,8 @@ static PyMethodDef core_methods[] = {
     {"configure_invoke", (PyCFunction)(void (*)(void))configure_invoke, METH_FASTCALL, configure_invoke_doc},
     {"new_call", (PyCFunction)(void (*)(void))new_call, METH_FASTCALL, new_call_doc},
     {"configure_fold", (PyCFunction)(void (*)(void))configure_fold, METH_FASTCALL, configure_fold_doc},
+    {"configure_spans", (PyCFunction)(void (*)(void))configure_spans, METH_FASTCALL, configure_spans_doc},
+    {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},
     {"fold", (PyCFunction)(void (*)(void))fold, METH_FASTCALL, fold_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},

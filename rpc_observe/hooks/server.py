@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.rpc.internal import RemoteException
 
-from ..telemetry import health
+from ..telemetry import health, tracing
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import MessageCells, Record, ServerCells, fold_served
+from ..telemetry.tracing import SpanRecord
 from . import trailer
 from .calls import future_error, pending_replies, remote_error, serving
 from .naming import PROXY_FUNCTIONS, is_internal, method_name, profiling_key, proxy_method, span_attributes
@@ -138,6 +139,8 @@ def _end_other(runtime: Runtime, site: ServerSite, start_ns: int, span: Any, pro
 _core = trailer.core  # the C Hook where built (hooks/_core.c); `_run_function` below is its reference
 if _core is not None:
     _core.configure_run(serving, _PROXIES, _site_of, _end_other, fold_served, UNKNOWN)
+    # The SERVER span's plain start, attach, detach and end inline (references: tracing.Tracer's methods).
+    _core.configure_spans(SpanRecord, tracing._getrandbits, tracing.trace)  # trace: opentelemetry.trace
 
 
 def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -1,0 +1,189 @@
+"""The SERVER span made inline by the C `_run_function` (hooks/_core.c) against `tracing.Tracer`'s
+start_server, attach, detach and end (the reference, which the Python `_run_function` calls): the same
+span, trace ids included, for every context a peer can send, the same per-thread parent while the UDF
+runs and after, the same invalid-context count; and the C traceparent parser against the regex on
+hostile text. Real torch objects, no RPC."""
+
+from __future__ import annotations
+
+import random
+import string
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from torch.distributed.rpc.internal import PythonUDF
+
+from rpc_observe import config
+from rpc_observe.hooks import calls, pickler, server, trailer
+from rpc_observe.telemetry import health, propagation, runtime, tracing
+
+core = trailer.core
+needs_c = pytest.mark.skipif(core is None, reason="the C core is not built here")
+
+TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+VALID = f"traceparent=00-{TRACE}-{PARENT}-01"
+
+
+def noop() -> None:
+    pass
+
+
+def reference_parse(entry: str) -> tuple[int, int, bool] | None:
+    """What Tracer.start_server reads of one context entry (its inline parse)."""
+    match = propagation.TRACEPARENT_ENTRY(entry)
+    if match is None:
+        return None
+    trace_id, parent_id = int(match[1], 16), int(match[2], 16)
+    if not trace_id or not parent_id:
+        return None
+    return trace_id, parent_id, match[3] in propagation.SAMPLED_LAST_DIGITS
+
+
+def hostile_entries(count: int, seed: int = 7) -> Iterator[str]:
+    rng = random.Random(seed)
+    alphabet = string.hexdigits + "-=xX \x00\u00e9\u0660\U0001f600ff"
+    yield from [VALID, VALID.upper(), VALID.replace("00-", "ff-", 1), VALID.replace("00-", "fe-", 1),
+                f"traceparent=00-{'0' * 32}-{PARENT}-01", f"traceparent=00-{TRACE}-{'0' * 16}-01", VALID + "\n",
+                VALID[:-1], VALID + "0", "", "traceparent=", VALID.replace("-", "_"), " " + VALID[1:],
+                VALID.replace("4bf9", "4bF9"), VALID.replace("4bf9", "4b\u00e99"[:4])]
+    yield from [VALID[:-1] + digit for digit in "0123456789abcdefABCDEFg"]
+    for _ in range(count):
+        chars = list(VALID)
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(chars))
+            action = rng.randrange(3)
+            if action == 0:
+                chars[at] = rng.choice(alphabet)
+            elif action == 1:
+                del chars[at]
+            else:
+                chars.insert(at, rng.choice(alphabet))
+        yield "".join(chars)
+        yield VALID[:12] + "".join(rng.choice("0123456789abcdef-") for _ in range(55))
+
+
+@needs_c
+def test_the_c_traceparent_parse_is_the_regex() -> None:
+    entries = list(hostile_entries(20_000))
+    agreed = [core.parse_traceparent(e) == reference_parse(e) for e in entries]
+    assert all(agreed), [e for e, ok in zip(entries, agreed) if not ok][:5]
+    assert sum(reference_parse(e) is not None for e in entries) > 1000  # not only rejects
+    assert core.parse_traceparent(VALID) == (int(TRACE, 16), int(PARENT, 16), True)
+    for not_text in (None, 3, b"x", ["a"]):
+        assert core.parse_traceparent(not_text) is None  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["parentbased_always_on", "always_on", "parentbased_traceidratio"])
+def traced(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[runtime.Runtime]:
+    environ = {"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0",
+               "RPC_OBSERVE_METRICS": "0", "OTEL_BSP_SCHEDULE_DELAY": "3600000", "OTEL_TRACES_SAMPLER": request.param,
+               "OTEL_TRACES_SAMPLER_ARG": "0.5"}
+    cfg = config.load(environ)
+    rt = runtime.Runtime(cfg, "worker0", 0)
+    rt.tracer = tracing.Tracer(cfg, [])
+    runtime.current = rt
+    yield rt
+    runtime.current = None
+    calls.pending_replies.clear()
+    rt.close()
+
+
+def udf_with(context: list[str] | None) -> PythonUDF:
+    udf = pickler._tuple_new(pickler._IncomingUDF, PythonUDF(noop, (), {}))
+    if context is not None:
+        udf.rpc_observe_fields = ["q", "worker1", "sync", "7", *context]
+        udf.rpc_observe_start = 0.0
+    return udf
+
+
+CONTEXTS: dict[str, list[str] | None] = {
+    "valid sampled": [VALID],
+    "valid unsampled": [VALID[:-2] + "00"],
+    "valid flags 03": [VALID[:-2] + "03"],
+    "with baggage": [VALID, "baggage=k=v"],
+    "malformed": [VALID.upper()],
+    "zero trace id": [f"traceparent=00-{'0' * 32}-{PARENT}-01"],
+    "another key": ["tracestate=a=b"],
+    "empty": [],
+    "no fields": None,
+}
+
+
+def run_once(rt: runtime.Runtime, context: list[str] | None, outer: Any) -> dict[str, Any]:
+    """One run of the wrapped `_run_function`: the span it queued (all fields), the parent a client span the
+    UDF starts gets, the thread's entry after the run, the errors and invalid contexts counted."""
+    tracer = rt.tracer
+    assert tracer is not None
+    ident = threading.get_ident()
+    if outer is not None:
+        tracer.serving[ident] = outer
+    seen: dict[str, Any] = {}
+
+    def udf_body(python_udf: Any) -> str:
+        child = tracer.start_client("child", {}, 1)
+        seen["child"] = (child.trace_id, child.parent_id)
+        return "result"
+
+    errors, invalid = dict(health.internal_errors), health.invalid_contexts[0]
+    assert server.wrap_run_function(udf_body)(udf_with(context)) == "result"
+    spans = list(tracer._queue)
+    tracer._queue.clear()
+    after = tracer.serving.pop(ident, None)
+    return {
+        "spans": [(s.name, s.kind, s.trace_id, s.span_id, s.parent_id, s.remote_parent, s.sampled, s.attributes,
+                   s.start_ns, s.end_ns, s.error_type, s.callee_ns) for s in spans],
+        "child": seen["child"],
+        "after_is_outer": after is outer,
+        "new_errors": {k: v - errors.get(k, 0) for k, v in health.internal_errors.items() if v != errors.get(k, 0)},
+        "new_invalid_contexts": health.invalid_contexts[0] - invalid,
+    }
+
+
+@pytest.fixture
+def c_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The C `_run_function` with the test's clock and ids, whatever the fixtures of other tests left."""
+    if core is None:
+        pytest.skip("the C core is not built here")
+    clock = iter(range(1_000, 10**9, 1_000))
+    monkeypatch.setattr(pickler, "_time_ns", lambda: next(clock))
+    monkeypatch.setattr(server, "_time_ns", pickler._time_ns)
+    monkeypatch.setattr(server, "_core", core)
+    pickler.configure_core(lambda: pickler._time_ns(), lambda: pickler._perf_counter())
+    core.configure_spans(tracing.SpanRecord, lambda bits: tracing._getrandbits(bits), trace)
+    yield
+    pickler.configure_core(time.time_ns, time.perf_counter)
+    core.configure_spans(tracing.SpanRecord, random.getrandbits, trace)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["alone", "nested"])
+@pytest.mark.parametrize("name", CONTEXTS)
+@pytest.mark.parametrize("provider", [False, True], ids=["no_provider", "provider"])
+def test_the_c_server_span_is_the_tracers(traced: runtime.Runtime, c_server: None, monkeypatch: pytest.MonkeyPatch,
+                                          name: str, nested: bool, provider: bool) -> None:
+    def run(python: bool) -> dict[str, Any]:
+        ids = iter(range(1, 10_000))
+        clock = iter(range(1_000, 10**9, 1_000))
+        monkeypatch.setattr(tracing, "_getrandbits", lambda bits: next(ids) * (3 if bits == 128 else 1))
+        monkeypatch.setattr(pickler, "_time_ns", lambda: next(clock))
+        monkeypatch.setattr(server, "_time_ns", pickler._time_ns)
+        monkeypatch.setattr(server, "_core", None if python else core)
+        return run_once(traced, CONTEXTS[name], outer)
+
+    if provider:  # the span becomes the current OpenTelemetry span instead of a per-thread entry
+        monkeypatch.setattr(trace, "_TRACER_PROVIDER", trace.NoOpTracerProvider())
+    outer = tracing.SpanRecord("outer", tracing.SERVER, 99, 98, 0, False, True, {}, 1) if nested else None
+    got = run(python=False)
+    assert got == run(python=True)
+    sampled = traced.tracer is not None and traced.tracer._parent_based is False or "unsampled" not in name
+    assert bool(got["spans"]) == sampled or traced.config.sampler != "parentbased_always_on"
+    assert got["after_is_outer"] and not got["new_errors"]
+    if got["spans"] and not (provider and nested):  # (a per-thread outer entry exists only without a provider)
+        assert got["child"][1] == got["spans"][0][3]  # the UDF's client span is the SERVER span's child
+    if name == "valid sampled" and traced.config.sampler == "parentbased_always_on":
+        assert got["spans"][0][2:5] == (int(TRACE, 16), 1, int(PARENT, 16))
+    assert got["new_invalid_contexts"] == (1 if name in ("malformed", "zero trace id", "another key") else 0)
