@@ -104,12 +104,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def baseline_tree(rev: str, tmp: str) -> str:
-    """A directory holding rpc_observe/ as it was at git revision `rev` (`git archive`, no worktree to clean up)."""
+    """A directory holding rpc_observe/ as it was at git revision `rev` (`git archive`, no worktree to clean up),
+    with its C modules built as an install builds them (REV's hatch_build.py), where REV has them: without
+    them REV would run its Python references, not what its users run."""
     tree = os.path.join(tmp, "baseline")
     os.makedirs(tree)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    archive = subprocess.run(["git", "-C", repo, "archive", rev, "rpc_observe"], check=True, capture_output=True)
+    has_build = subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{rev}:hatch_build.py"],
+                               capture_output=True).returncode == 0
+    paths = ["rpc_observe"] + (["hatch_build.py"] if has_build else [])
+    archive = subprocess.run(["git", "-C", repo, "archive", rev, *paths], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+    if has_build:
+        built = subprocess.run([sys.executable, os.path.join(tree, "hatch_build.py")], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"{rev}'s C modules did not build: {built.stderr.strip()[:500]}")
     return tree
 
 
@@ -223,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         try:
             add_baseline(args.baseline, baseline_tree(args.baseline, tmp))
-        except subprocess.CalledProcessError as e:  # an unknown REV: say so, leave no temporary directory
+        except (subprocess.CalledProcessError, RuntimeError) as e:  # an unknown REV, or its C modules do not build
             shutil.rmtree(tmp, ignore_errors=True)
-            reason = (e.stderr or b"").decode(errors="replace").strip()
+            failed = isinstance(e, subprocess.CalledProcessError)
+            reason = (e.stderr or b"").decode(errors="replace").strip() if failed else str(e)
             raise SystemExit(f"--baseline {args.baseline}: {reason}") from None
     configs = configs_for(mode, control=not args.no_control, profiler_baseline=args.profiler_baseline,
                           baseline=bool(args.baseline))
