@@ -775,6 +775,8 @@ handle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+static PyObject *client_context_text(PyObject *tracer, PyObject *span);  /* with the spans, below */
+
 /* A request this thread's client call pickled: its trailer, its message record, the call in the table. */
 static PyObject *
 send_request(PyObject *runtime, PyObject *call, PyObject *data, PyObject *tensors, double seconds)
@@ -786,7 +788,7 @@ send_request(PyObject *runtime, PyObject *call, PyObject *data, PyObject *tensor
     }
     if (span != Py_None) {
         PyObject *tracer = GET(runtime, s_tracer);
-        context = tracer != NULL ? PyObject_CallMethodOneArg(tracer, s_context_text, span) : NULL;
+        context = tracer != NULL ? client_context_text(tracer, span) : NULL;
         Py_XDECREF(tracer);
     }
     else {
@@ -1075,11 +1077,16 @@ static struct {
     PyObject *span_type;  /* tracing.SpanRecord */
     PyObject *getrandbits;  /* tracing._getrandbits (random.getrandbits; a test's in tests) */
     PyObject *trace_module;  /* opentelemetry.trace: _TRACER_PROVIDER set means attach through its context */
-    PyObject *bits64, *server_kind;
+    PyObject *get_current;  /* tracing._get_current: the current OpenTelemetry context */
+    PyObject *span_key, *baggage_key;  /* where that context holds its span and its baggage */
+    PyObject *traceparent_format, *flags;  /* propagation.TRACEPARENT_ENTRY_FORMAT, FLAGS */
+    PyObject *bits64, *bits128, *low64, *server_kind, *client_kind;
 } span_refs;
 
 static PyObject *s_fast_propagation, *s_parent_based, *s_serving_attr, *s_tracer_provider, *s_end_ns, *s_queue,
-    *s_max_queue, *s_append, *s_sampled_attr;
+    *s_max_queue, *s_append, *s_sampled_attr, *s_limiter, *s_root_bound, *s_propagates, *s_span_id_attr,
+    *s_trace_id_attr;
+static PyObject *s_start_client;  /* interned with the invoke hook's names, below */
 
 #define TRACEPARENT_ENTRY_SIZE 67  /* "traceparent=" vv-<32 hex>-<16 hex>-ff */
 
@@ -1292,21 +1299,149 @@ end_span(PyObject *tracer, PyObject *span, long long end_ns)
     return done != NULL ? 0 : -1;
 }
 
+/* SpanRecord(name, kind, trace_id, a new span id, parent_id, remote_parent, sampled, attributes, start_ns) */
+static PyObject *
+new_span(PyObject *name, PyObject *kind, PyObject *trace_id, PyObject *parent_id, PyObject *remote, PyObject *sampled,
+         PyObject *attributes, PyObject *start)
+{
+    PyObject *span_id = PyObject_CallOneArg(span_refs.getrandbits, span_refs.bits64);
+    if (span_id == NULL) {
+        return NULL;
+    }
+    PyObject *args[] = {name, kind, trace_id, span_id, parent_id, remote, sampled, attributes, start};
+    PyObject *span = PyObject_Vectorcall(span_refs.span_type, args, 9, NULL);
+    Py_DECREF(span_id);
+    return span;
+}
+
+/* tracer.start_client(name, attributes, start): inline for a call made while this thread serves a UDF (its SERVER
+ * span is the parent) or with no current OpenTelemetry span and a ratio sampler (a root); else the method. */
+static PyObject *
+start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObject *start, PyObject *thread)
+{
+    PyObject *serving = NULL, *parent = NULL, *context = NULL, *limiter = NULL, *span = NULL;
+    if (span_refs.span_type == NULL || (serving = PyObject_GetAttr(tracer, s_serving_attr)) == NULL ||
+        !PyDict_CheckExact(serving)) {
+        goto general;
+    }
+    if (PyDict_GET_SIZE(serving)) {
+        parent = PyDict_GetItemWithError(serving, thread);  /* borrowed */
+        if (parent == NULL && PyErr_Occurred()) {
+            goto done;
+        }
+    }
+    if (parent != NULL) {  /* a child of the SERVER span this thread serves */
+        PyObject *trace_id = PyObject_GetAttr(parent, s_trace_id_attr);
+        PyObject *parent_id = trace_id != NULL ? PyObject_GetAttr(parent, s_span_id_attr) : NULL;
+        PyObject *sampled = parent_id != NULL ? PyObject_GetAttr(parent, s_sampled_attr) : NULL;
+        if (sampled != NULL) {
+            span = new_span(name, span_refs.client_kind, trace_id, parent_id, Py_False, sampled, attributes, start);
+        }
+        Py_XDECREF(trace_id);
+        Py_XDECREF(parent_id);
+        Py_XDECREF(sampled);
+        goto done;
+    }
+    if ((context = PyObject_CallNoArgs(span_refs.get_current)) == NULL) {
+        goto done;
+    }
+    if (!PyDict_Check(context)) {
+        goto general;
+    }
+    PyObject *current = PyDict_GetItemWithError(context, span_refs.span_key);  /* borrowed */
+    if (current == NULL && PyErr_Occurred()) {
+        goto done;
+    }
+    if ((current != NULL && current != Py_None) || (limiter = PyObject_GetAttr(tracer, s_limiter)) == NULL ||
+        limiter != Py_None) {
+        goto general;  /* an OpenTelemetry span is current, or the rate limiter decides */
+    }
+    /* a root: trace_id = getrandbits(128); sampled = (trace_id & _LOW_64) < _root_bound */
+    PyObject *trace_id = PyObject_CallOneArg(span_refs.getrandbits, span_refs.bits128);
+    PyObject *low = trace_id != NULL ? PyNumber_And(trace_id, span_refs.low64) : NULL;
+    PyObject *bound = low != NULL ? PyObject_GetAttr(tracer, s_root_bound) : NULL;
+    int sampled = bound != NULL ? PyObject_RichCompareBool(low, bound, Py_LT) : -1;
+    if (sampled >= 0) {
+        PyObject *zero = PyLong_FromLong(0);
+        span = zero != NULL ? new_span(name, span_refs.client_kind, trace_id, zero, Py_False,
+                                       sampled ? Py_True : Py_False, attributes, start) : NULL;
+        Py_XDECREF(zero);
+    }
+    Py_XDECREF(trace_id);
+    Py_XDECREF(low);
+    Py_XDECREF(bound);
+    goto done;
+general:
+    if (!PyErr_Occurred()) {
+        span = PyObject_CallMethodObjArgs(tracer, s_start_client, name, attributes, start, NULL);
+    }
+done:
+    Py_XDECREF(serving);
+    Py_XDECREF(context);
+    Py_XDECREF(limiter);
+    return span;
+}
+
+/* tracer.context_text(span): the traceparent entry formatted inline when the propagators are tracecontext/baggage and
+ * no baggage is current; else the method. */
+static PyObject *
+client_context_text(PyObject *tracer, PyObject *span)
+{
+    int propagates = span_refs.span_type != NULL ? attr_true(tracer, s_propagates) : 1;
+    int fast = propagates > 0 && span_refs.span_type != NULL ? attr_true(tracer, s_fast_propagation) : 0;
+    if (propagates < 0 || fast < 0) {
+        return NULL;
+    }
+    if (!propagates) {
+        return PyUnicode_FromStringAndSize(NULL, 0);
+    }
+    PyObject *context = fast ? PyObject_CallNoArgs(span_refs.get_current) : NULL;
+    if (fast && context == NULL) {
+        return NULL;
+    }
+    int baggage = context != NULL ? PySequence_Contains(context, span_refs.baggage_key) : 1;
+    Py_XDECREF(context);
+    if (baggage < 0) {
+        return NULL;
+    }
+    if (baggage) {
+        return PyObject_CallMethodOneArg(tracer, s_context_text, span);
+    }
+    /* TRACEPARENT_ENTRY_FORMAT % (span.trace_id, span.span_id, FLAGS[span.sampled]) */
+    PyObject *trace_id = PyObject_GetAttr(span, s_trace_id_attr);
+    PyObject *span_id = trace_id != NULL ? PyObject_GetAttr(span, s_span_id_attr) : NULL;
+    PyObject *sampled = span_id != NULL ? PyObject_GetAttr(span, s_sampled_attr) : NULL;
+    PyObject *flag = sampled != NULL ? PyObject_GetItem(span_refs.flags, sampled) : NULL;
+    PyObject *values = flag != NULL ? PyTuple_Pack(3, trace_id, span_id, flag) : NULL;
+    PyObject *text = values != NULL ? PyUnicode_Format(span_refs.traceparent_format, values) : NULL;
+    Py_XDECREF(trace_id);
+    Py_XDECREF(span_id);
+    Py_XDECREF(sampled);
+    Py_XDECREF(flag);
+    Py_XDECREF(values);
+    return text;
+}
+
 PyDoc_STRVAR(configure_spans_doc,
-"configure_spans(span_type, getrandbits, trace_module, /)\n--\n\n"
-"Hands the SERVER span's inline start its SpanRecord type, id source and opentelemetry.trace (server.py, at import).");
+"configure_spans(span_type, getrandbits, trace_module, get_current, span_key, baggage_key, traceparent_format,\n"
+"                flags, /)\n--\n\n"
+"Hands the inline span starts tracing.py's SpanRecord type, id source, opentelemetry.trace, current-context getter\n"
+"and keys, and propagation.py's traceparent entry format and flags (server.py, at import).");
 
 static PyObject *
 configure_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "configure_spans(span_type: type, getrandbits, trace_module)");
+    if (nargs != 8 || !PyType_Check(args[0]) || !PyUnicode_Check(args[6]) || !PyTuple_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "configure_spans(span_type: type, getrandbits, trace_module, get_current, "
+                                         "span_key, baggage_key, traceparent_format: str, flags: tuple)");
         return NULL;
     }
     struct { PyObject **slot; const char *text; } names[] = {
         {&s_fast_propagation, "_fast_propagation"}, {&s_parent_based, "_parent_based"}, {&s_serving_attr, "serving"},
         {&s_tracer_provider, "_TRACER_PROVIDER"}, {&s_end_ns, "end_ns"}, {&s_queue, "_queue"},
         {&s_max_queue, "_max_queue"}, {&s_append, "append"}, {&s_sampled_attr, "sampled"},
+        {&s_limiter, "_limiter"}, {&s_root_bound, "_root_bound"}, {&s_propagates, "_propagates"},
+        {&s_span_id_attr, "span_id"}, {&s_trace_id_attr, "trace_id"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
@@ -1314,12 +1449,18 @@ configure_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if ((span_refs.bits64 == NULL && (span_refs.bits64 = PyLong_FromLong(64)) == NULL) ||
-        (span_refs.server_kind == NULL && (span_refs.server_kind = PyLong_FromLong(2)) == NULL)) {  /* SERVER */
+        (span_refs.bits128 == NULL && (span_refs.bits128 = PyLong_FromLong(128)) == NULL) ||
+        (span_refs.low64 == NULL && (span_refs.low64 = PyLong_FromUnsignedLongLong(~0ULL)) == NULL) ||
+        (span_refs.server_kind == NULL && (span_refs.server_kind = PyLong_FromLong(2)) == NULL) ||  /* SERVER */
+        (span_refs.client_kind == NULL && (span_refs.client_kind = PyLong_FromLong(3)) == NULL)) {  /* CLIENT */
         return NULL;
     }
-    Py_XSETREF(span_refs.span_type, Py_NewRef(args[0]));
-    Py_XSETREF(span_refs.getrandbits, Py_NewRef(args[1]));
-    Py_XSETREF(span_refs.trace_module, Py_NewRef(args[2]));
+    PyObject **slots[] = {&span_refs.span_type, &span_refs.getrandbits, &span_refs.trace_module,
+                          &span_refs.get_current, &span_refs.span_key, &span_refs.baggage_key,
+                          &span_refs.traceparent_format, &span_refs.flags};
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    }
     Py_RETURN_NONE;
 }
 
@@ -1669,7 +1810,7 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (tracer != Py_None) {
         PyObject *name = PyObject_GetAttr(site, s_span_name), *attributes = PyObject_GetAttr(site, s_attributes);
         PyObject *span = name != NULL && attributes != NULL
-            ? PyObject_CallMethodObjArgs(tracer, s_start_client, name, attributes, start, NULL) : NULL;
+            ? start_client_span(tracer, name, attributes, start, thread) : NULL;
         Py_XDECREF(name);
         Py_XDECREF(attributes);
         if (set_new(call, s_span, span) < 0) {

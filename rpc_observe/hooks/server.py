@@ -139,8 +139,17 @@ def _end_other(runtime: Runtime, site: ServerSite, start_ns: int, span: Any, pro
 _core = trailer.core  # the C Hook where built (hooks/_core.c); `_run_function` below is its reference
 if _core is not None:
     _core.configure_run(serving, _PROXIES, _site_of, _end_other, fold_served, UNKNOWN)
-    # The SERVER span's plain start, attach, detach and end inline (references: tracing.Tracer's methods).
-    _core.configure_spans(SpanRecord, tracing._getrandbits, tracing.trace)  # trace: opentelemetry.trace
+
+
+def configure_spans(getrandbits: Callable[[int], int]) -> None:
+    """Hands the C core's inline span starts (the SERVER span here, the CLIENT span in `_invoke_rpc`; references:
+    tracing.Tracer's methods) what they read of tracing.py, and their id source (a test's, in tests)."""
+    if _core is not None:
+        _core.configure_spans(SpanRecord, getrandbits, tracing.trace, tracing._get_current, tracing._SPAN_KEY,
+                              tracing._BAGGAGE_KEY, tracing._TRACEPARENT_ENTRY_FORMAT, tracing._FLAGS)
+
+
+configure_spans(tracing._getrandbits)
 
 
 def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:

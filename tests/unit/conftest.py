@@ -71,12 +71,10 @@ def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     monkeypatch.setattr(server, "_core", None if python else core)  # wrap_run_function: Python, or the C Hook
     monkeypatch.setattr(client, "_core", None if python else core)  # wrap_invoke_rpc too
     if not python:
-        from opentelemetry import trace
-
         from rpc_observe.telemetry import tracing
 
         pickler.configure_core(lambda: pickler._time_ns(), lambda: pickler._perf_counter())
-        core.configure_spans(tracing.SpanRecord, lambda bits: tracing._getrandbits(bits), trace)  # a test's ids
+        server.configure_spans(lambda bits: tracing._getrandbits(bits))  # a test's ids
     yield str(request.param)
     if not python:
         import random
@@ -84,4 +82,4 @@ def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
 
         # not pickler's clocks nor tracing's ids: the test's replacements may still be there
         pickler.configure_core(time.time_ns, time.perf_counter)
-        core.configure_spans(tracing.SpanRecord, random.getrandbits, trace)
+        server.configure_spans(random.getrandbits)

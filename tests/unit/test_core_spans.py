@@ -1,8 +1,9 @@
-"""The SERVER span made inline by the C `_run_function` (hooks/_core.c) against `tracing.Tracer`'s
-start_server, attach, detach and end (the reference, which the Python `_run_function` calls): the same
-span, trace ids included, for every context a peer can send, the same per-thread parent while the UDF
-runs and after, the same invalid-context count; and the C traceparent parser against the regex on
-hostile text. Real torch objects, no RPC."""
+"""The spans the C core makes inline (hooks/_core.c) against `tracing.Tracer`'s methods, the reference the
+Python paths call: the SERVER span of `_run_function` (start_server, attach, detach, end) for every
+context a peer can send, with the same per-thread parent while the UDF runs and after and the same
+invalid-context count; the CLIENT span of `_invoke_rpc` (start_client) and the context its request
+carries (context_text) in every situation a caller can be in; all with the ids in full. And the C
+traceparent parser against the regex on hostile text. Real torch objects, no RPC."""
 
 from __future__ import annotations
 
@@ -154,10 +155,10 @@ def c_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(server, "_time_ns", pickler._time_ns)
     monkeypatch.setattr(server, "_core", core)
     pickler.configure_core(lambda: pickler._time_ns(), lambda: pickler._perf_counter())
-    core.configure_spans(tracing.SpanRecord, lambda bits: tracing._getrandbits(bits), trace)
+    server.configure_spans(lambda bits: tracing._getrandbits(bits))
     yield
     pickler.configure_core(time.time_ns, time.perf_counter)
-    core.configure_spans(tracing.SpanRecord, random.getrandbits, trace)
+    server.configure_spans(random.getrandbits)
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["alone", "nested"])
@@ -187,3 +188,74 @@ def test_the_c_server_span_is_the_tracers(traced: runtime.Runtime, c_server: Non
     if name == "valid sampled" and traced.config.sampler == "parentbased_always_on":
         assert got["spans"][0][2:5] == (int(TRACE, 16), 1, int(PARENT, 16))
     assert got["new_invalid_contexts"] == (1 if name in ("malformed", "zero trace id", "another key") else 0)
+
+
+SITUATIONS = ["root", "in a served UDF", "an OpenTelemetry span current", "baggage current", "a sampled-out parent"]
+SAMPLERS = ["parentbased_always_on", "always_on", "parentbased_traceidratio", "rpc_observe_ratelimit",
+            "always_off"]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("situation", SITUATIONS)
+@pytest.mark.parametrize("propagators", ["tracecontext,baggage", "none"])
+def test_the_c_client_span_and_its_context_are_the_tracers(tmp_path: Path, c_server: None,
+                                                           monkeypatch: pytest.MonkeyPatch, sampler: str,
+                                                           situation: str, propagators: str) -> None:
+    from opentelemetry import baggage, context
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    from rpc_observe.hooks.client import ClientSite
+
+    environ = {"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0",
+               "RPC_OBSERVE_METRICS": "0", "OTEL_BSP_SCHEDULE_DELAY": "3600000", "OTEL_TRACES_SAMPLER": sampler,
+               "OTEL_TRACES_SAMPLER_ARG": "0.5", "OTEL_PROPAGATORS": propagators}
+    cfg = config.load(environ)
+    rt = runtime.Runtime(cfg, "worker0", 0)
+    rt.tracer = tracing.Tracer(cfg, [])
+    runtime.current = rt
+    site = ClientSite(rt, noop, "sync", "worker1")
+    monkeypatch.setattr(calls, "_time_ns", lambda: 1_700_000_000_000_000_000)  # the Python Call's clock
+    monkeypatch.setattr(pickler, "_time_ns", calls._time_ns)  # the C one's (c_server)
+    ident = threading.get_ident()
+    token = None
+    if situation == "in a served UDF":
+        rt.tracer.serving[ident] = tracing.SpanRecord("udf", tracing.SERVER, 77, 66, 5, True, True, {}, 1)
+    elif situation == "a sampled-out parent":
+        rt.tracer.serving[ident] = tracing.SpanRecord("udf", tracing.SERVER, 77, 66, 5, True, False, {}, 1)
+    elif situation == "an OpenTelemetry span current":
+        parent = SpanContext(0xABC, 0xDEF, True, TraceFlags(TraceFlags.SAMPLED))
+        token = context.attach(trace.set_span_in_context(NonRecordingSpan(parent)))
+    elif situation == "baggage current":
+        token = context.attach(baggage.set_baggage("k", "v"))
+    try:
+        made = []
+        for make in (calls.Call, core.new_call):
+            ids = iter(range(1, 10_000))
+            monkeypatch.setattr(tracing, "_getrandbits",
+                                lambda bits, ids=ids: next(ids) * (2**70 + 3 if bits == 128 else 1))
+            if rt.tracer._limiter is not None:  # a full bucket each way
+                rt.tracer._limiter = tracing.RateLimiter(0.5)
+            call = make(rt, site)
+            span = call.span
+            # the context the request carries: the serialize Hook's trailer (C) against Tracer.context_text
+            calls.local.call = call
+            monkeypatch.setattr(pickler, "_core", core if make is core.new_call else None)
+            data, _ = pickler.wrap_serialize(lambda self, o: (b"PICKLE.", []))(None, PythonUDF(noop, (), {}))
+            calls.local.call = None
+            _, fields = trailer.split(data)
+            assert fields is not None
+            made.append(((span.name, span.kind, span.trace_id, span.span_id, span.parent_id, span.remote_parent,
+                          span.sampled, span.attributes, span.start_ns), fields[trailer.CONTEXT:],
+                         rt.tracer.context_text(span)))
+            calls.in_flight.clear()
+        assert made[0] == made[1]
+        assert made[0][1] == (made[0][2].split(trailer.SEP) if made[0][2] else [])  # Tracer.context_text's
+        if situation == "in a served UDF":
+            assert made[0][0][2] == 77 and made[0][0][4] == 66
+    finally:
+        calls.local.call = None
+        if token is not None:
+            context.detach(token)
+        rt.tracer.serving.pop(ident, None)
+        runtime.current = None
+        rt.close()
