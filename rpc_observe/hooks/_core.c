@@ -563,6 +563,9 @@ now_ns(void)
 /* An attribute that must be there; NULL (with the AttributeError) if not. */
 #define GET(obj, name) PyObject_GetAttr((obj), (name))
 
+static PyObject *client_context_text(PyObject *tracer, PyObject *span);  /* with the spans, below */
+static int end_span(PyObject *tracer, PyObject *span, long long end_ns);
+
 /* The echoed response of a call in flight: ends the call (pickler.py's Python fast path, line by line). */
 static PyObject *
 end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *tensors, double seconds,
@@ -639,13 +642,11 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
         Py_CLEAR(done);
     }
     if (span != Py_None) {
-        PyObject *tracer = NULL, *callee = PyLong_FromLongLong(callee_ns), *end = NULL;
+        PyObject *tracer = NULL, *callee = PyLong_FromLongLong(callee_ns);
         int failed = callee == NULL || PyObject_SetAttr(span, s_callee_ns, callee) < 0 ||
-                     (tracer = GET(runtime, s_tracer)) == NULL || (end = PyLong_FromLongLong(end_ns)) == NULL ||
-                     (done = PyObject_CallMethodObjArgs(tracer, s_end, span, end, NULL)) == NULL;
+                     (tracer = GET(runtime, s_tracer)) == NULL || end_span(tracer, span, end_ns) < 0;
         Py_XDECREF(callee);
         Py_XDECREF(tracer);
-        Py_XDECREF(end);
         if (failed) {
             goto done;
         }
@@ -775,7 +776,6 @@ handle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
-static PyObject *client_context_text(PyObject *tracer, PyObject *span);  /* with the spans, below */
 
 /* A request this thread's client call pickled: its trailer, its message record, the call in the table. */
 static PyObject *

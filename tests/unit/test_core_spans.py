@@ -259,3 +259,28 @@ def test_the_c_client_span_and_its_context_are_the_tracers(tmp_path: Path, c_ser
         rt.tracer.serving.pop(ident, None)
         runtime.current = None
         rt.close()
+
+
+def test_a_full_span_queue_drops_and_counts_either_way(tmp_path: Path, c_server: None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    environ = {"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0",
+               "RPC_OBSERVE_METRICS": "0", "OTEL_BSP_SCHEDULE_DELAY": "3600000", "OTEL_BSP_MAX_QUEUE_SIZE": "2"}
+    cfg = config.load(environ)
+    rt = runtime.Runtime(cfg, "worker0", 0)
+    rt.tracer = tracing.Tracer(cfg, [])
+    runtime.current = rt
+    try:
+        outcomes = []
+        for python in (False, True):
+            monkeypatch.setattr(server, "_core", None if python else core)
+            dropped = health.spans_dropped["queue_full"]
+            for _ in range(5):
+                assert server.wrap_run_function(lambda python_udf: 1)(udf_with([VALID])) == 1
+            outcomes.append((len(rt.tracer._queue), health.spans_dropped["queue_full"] - dropped,
+                             [s.end_ns > 0 for s in rt.tracer._queue]))
+            rt.tracer._queue.clear()
+        assert outcomes[0] == outcomes[1] == (2, 3, [True, True])
+    finally:
+        runtime.current = None
+        calls.pending_replies.clear()
+        rt.close()
