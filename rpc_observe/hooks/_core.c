@@ -1080,7 +1080,7 @@ static struct {
     PyObject *get_current;  /* tracing._get_current: the current OpenTelemetry context */
     PyObject *span_key, *baggage_key;  /* where that context holds its span and its baggage */
     PyObject *traceparent_format, *flags;  /* propagation.TRACEPARENT_ENTRY_FORMAT, FLAGS */
-    PyObject *bits64, *bits128, *low64, *server_kind, *client_kind;
+    PyObject *bits64, *bits128, *low64, *server_kind, *client_kind, *zero;
 } span_refs;
 
 static PyObject *s_fast_propagation, *s_parent_based, *s_serving_attr, *s_tracer_provider, *s_end_ns, *s_queue,
@@ -1176,6 +1176,65 @@ attr_true(PyObject *obj, PyObject *name)
     return truth;
 }
 
+/* SpanRecord.__slots__, in the order its __init__ takes them, then the three it sets itself (end_ns = 0,
+ * error_type = error_message = None, callee_ns = -1); their offsets in the instance, read from the type. */
+static const char *const span_slots[] = {"name", "kind", "trace_id", "span_id", "parent_id", "remote_parent",
+                                         "sampled", "attributes", "start_ns", "end_ns", "error_type",
+                                         "error_message", "callee_ns"};
+#define SPAN_SLOTS ((int)(sizeof(span_slots) / sizeof(span_slots[0])))
+static Py_ssize_t span_offsets[SPAN_SLOTS];
+static PyObject *minus_one;
+
+/* 0 if `type` has exactly these object slots (its __slots__), their offsets kept; -1 (a TypeError) if not. */
+static int
+read_span_offsets(PyTypeObject *type)
+{
+    Py_ssize_t found[SPAN_SLOTS];
+    int count = 0;
+    for (PyMemberDef *m = type->tp_members; m != NULL && m->name != NULL; m++, count++) {
+        int i = 0;
+        while (i < SPAN_SLOTS && strcmp(m->name, span_slots[i]) != 0) {
+            i++;
+        }
+        if (i == SPAN_SLOTS || m->type != T_OBJECT_EX || (m->flags & READONLY)) {
+            count = -1;
+            break;
+        }
+        found[i] = m->offset;
+    }
+    if (count != SPAN_SLOTS || type->tp_base != &PyBaseObject_Type || type->tp_init == NULL) {
+        PyErr_SetString(PyExc_TypeError, "configure_spans: span_type must be a class whose __slots__ are SpanRecord's");
+        return -1;
+    }
+    memcpy(span_offsets, found, sizeof(found));
+    return 0;
+}
+
+/* SpanRecord(name, kind, trace_id, a new span id, parent_id, remote_parent, sampled, attributes, start_ns), its
+ * __init__ done here: the slots set as it sets them (tests/unit/test_core_spans.py holds the two together). */
+static PyObject *
+new_span(PyObject *name, PyObject *kind, PyObject *trace_id, PyObject *parent_id, PyObject *remote, PyObject *sampled,
+         PyObject *attributes, PyObject *start)
+{
+    PyObject *span_id = PyObject_CallOneArg(span_refs.getrandbits, span_refs.bits64);
+    if (span_id == NULL) {
+        return NULL;
+    }
+    PyTypeObject *type = (PyTypeObject *)span_refs.span_type;
+    PyObject *span = type->tp_alloc(type, 0);
+    if (span == NULL) {
+        Py_DECREF(span_id);
+        return NULL;
+    }
+    PyObject *values[SPAN_SLOTS] = {name, kind, trace_id, span_id, parent_id, remote, sampled, attributes, start,
+                                    span_refs.zero, Py_None, Py_None, minus_one};
+    for (int i = 0; i < SPAN_SLOTS; i++) {
+        *(PyObject **)((char *)span + span_offsets[i]) = Py_NewRef(values[i]);
+    }
+    Py_DECREF(span_id);
+    return span;
+}
+
 /* tracer.start_server(name, attributes, fields[4:], start_ns): inline for a caller that sent one valid traceparent to
  * a tracer that follows its flag (tracecontext/baggage propagators, a parentbased_ sampler); else the method. */
 static PyObject *
@@ -1204,17 +1263,10 @@ start_server_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
         return span;
     }
     PyObject *trace_id = hex_int(trace_hex, 32), *parent_id = trace_id != NULL ? hex_int(parent_hex, 16) : NULL;
-    PyObject *span_id = parent_id != NULL ? PyObject_CallOneArg(span_refs.getrandbits, span_refs.bits64) : NULL;
-    PyObject *span = NULL;
-    if (span_id != NULL) {
-        /* SpanRecord(name, SERVER, trace_id, span_id, parent_id, remote_parent, sampled, attributes, start_ns) */
-        PyObject *args[] = {name, span_refs.server_kind, trace_id, span_id, parent_id, Py_True,
-                            sampled ? Py_True : Py_False, attributes, start};
-        span = PyObject_Vectorcall(span_refs.span_type, args, 9, NULL);
-    }
+    PyObject *span = parent_id != NULL ? new_span(name, span_refs.server_kind, trace_id, parent_id, Py_True,
+                                                  sampled ? Py_True : Py_False, attributes, start) : NULL;
     Py_XDECREF(trace_id);
     Py_XDECREF(parent_id);
-    Py_XDECREF(span_id);
     Py_DECREF(start);
     return span;
 }
@@ -1297,21 +1349,6 @@ end_span(PyObject *tracer, PyObject *span, long long end_ns)
     Py_DECREF(end);
     Py_XDECREF(done);
     return done != NULL ? 0 : -1;
-}
-
-/* SpanRecord(name, kind, trace_id, a new span id, parent_id, remote_parent, sampled, attributes, start_ns) */
-static PyObject *
-new_span(PyObject *name, PyObject *kind, PyObject *trace_id, PyObject *parent_id, PyObject *remote, PyObject *sampled,
-         PyObject *attributes, PyObject *start)
-{
-    PyObject *span_id = PyObject_CallOneArg(span_refs.getrandbits, span_refs.bits64);
-    if (span_id == NULL) {
-        return NULL;
-    }
-    PyObject *args[] = {name, kind, trace_id, span_id, parent_id, remote, sampled, attributes, start};
-    PyObject *span = PyObject_Vectorcall(span_refs.span_type, args, 9, NULL);
-    Py_DECREF(span_id);
-    return span;
 }
 
 /* tracer.start_client(name, attributes, start): inline for a call made while this thread serves a UDF (its SERVER
@@ -1452,7 +1489,10 @@ configure_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         (span_refs.bits128 == NULL && (span_refs.bits128 = PyLong_FromLong(128)) == NULL) ||
         (span_refs.low64 == NULL && (span_refs.low64 = PyLong_FromUnsignedLongLong(~0ULL)) == NULL) ||
         (span_refs.server_kind == NULL && (span_refs.server_kind = PyLong_FromLong(2)) == NULL) ||  /* SERVER */
-        (span_refs.client_kind == NULL && (span_refs.client_kind = PyLong_FromLong(3)) == NULL)) {  /* CLIENT */
+        (span_refs.client_kind == NULL && (span_refs.client_kind = PyLong_FromLong(3)) == NULL) ||  /* CLIENT */
+        (span_refs.zero == NULL && (span_refs.zero = PyLong_FromLong(0)) == NULL) ||
+        (minus_one == NULL && (minus_one = PyLong_FromLong(-1)) == NULL) ||
+        read_span_offsets((PyTypeObject *)args[0]) < 0) {
         return NULL;
     }
     PyObject **slots[] = {&span_refs.span_type, &span_refs.getrandbits, &span_refs.trace_module,

@@ -136,8 +136,7 @@ def run_once(rt: runtime.Runtime, context: list[str] | None, outer: Any) -> dict
     tracer._queue.clear()
     after = tracer.serving.pop(ident, None)
     return {
-        "spans": [(s.name, s.kind, s.trace_id, s.span_id, s.parent_id, s.remote_parent, s.sampled, s.attributes,
-                   s.start_ns, s.end_ns, s.error_type, s.callee_ns) for s in spans],
+        "spans": [(type(s), {name: getattr(s, name) for name in tracing.SpanRecord.__slots__}) for s in spans],
         "child": seen["child"],
         "after_is_outer": after is outer,
         "new_errors": {k: v - errors.get(k, 0) for k, v in health.internal_errors.items() if v != errors.get(k, 0)},
@@ -184,9 +183,10 @@ def test_the_c_server_span_is_the_tracers(traced: runtime.Runtime, c_server: Non
     assert bool(got["spans"]) == sampled or traced.config.sampler != "parentbased_always_on"
     assert got["after_is_outer"] and not got["new_errors"]
     if got["spans"] and not (provider and nested):  # (a per-thread outer entry exists only without a provider)
-        assert got["child"][1] == got["spans"][0][3]  # the UDF's client span is the SERVER span's child
+        assert got["child"][1] == got["spans"][0][1]["span_id"]  # the UDF's client span is the SERVER span's child
     if name == "valid sampled" and traced.config.sampler == "parentbased_always_on":
-        assert got["spans"][0][2:5] == (int(TRACE, 16), 1, int(PARENT, 16))
+        first = got["spans"][0][1]
+        assert (first["trace_id"], first["span_id"], first["parent_id"]) == (int(TRACE, 16), 1, int(PARENT, 16))
     assert got["new_invalid_contexts"] == (1 if name in ("malformed", "zero trace id", "another key") else 0)
 
 
@@ -244,14 +244,13 @@ def test_the_c_client_span_and_its_context_are_the_tracers(tmp_path: Path, c_ser
             calls.local.call = None
             _, fields = trailer.split(data)
             assert fields is not None
-            made.append(((span.name, span.kind, span.trace_id, span.span_id, span.parent_id, span.remote_parent,
-                          span.sampled, span.attributes, span.start_ns), fields[trailer.CONTEXT:],
-                         rt.tracer.context_text(span)))
+            made.append((type(span), {name: getattr(span, name) for name in tracing.SpanRecord.__slots__},
+                         fields[trailer.CONTEXT:], rt.tracer.context_text(span)))
             calls.in_flight.clear()
         assert made[0] == made[1]
-        assert made[0][1] == (made[0][2].split(trailer.SEP) if made[0][2] else [])  # Tracer.context_text's
+        assert made[0][2] == (made[0][3].split(trailer.SEP) if made[0][3] else [])  # Tracer.context_text's
         if situation == "in a served UDF":
-            assert made[0][0][2] == 77 and made[0][0][4] == 66
+            assert made[0][1]["trace_id"] == 77 and made[0][1]["parent_id"] == 66
     finally:
         calls.local.call = None
         if token is not None:
@@ -284,3 +283,15 @@ def test_a_full_span_queue_drops_and_counts_either_way(tmp_path: Path, c_server:
         runtime.current = None
         calls.pending_replies.clear()
         rt.close()
+
+
+def test_a_span_type_other_than_span_records_is_refused(c_server: None) -> None:
+    """The C core writes a span's slots where SpanRecord's __slots__ put them: any other type is refused."""
+
+    class Other:
+        __slots__ = ("name", "kind")
+
+    for wrong in (tuple, Other, type("Sub", (tracing.SpanRecord,), {"__slots__": ()})):
+        with pytest.raises(TypeError, match="SpanRecord"):
+            core.configure_spans(wrong, random.getrandbits, trace, tracing._get_current, tracing._SPAN_KEY,
+                                 tracing._BAGGAGE_KEY, tracing._TRACEPARENT_ENTRY_FORMAT, tracing._FLAGS)
