@@ -1071,7 +1071,8 @@ run_state_clear(run_state *r)
     Py_CLEAR(r->span_outer);
 }
 
-/* ---- SERVER spans: Tracer.start_server, attach, detach and end (telemetry/tracing.py), inline where they are plain ---- */
+/* ---- Spans: Tracer.start_server, start_client, context_text, attach, detach and end (telemetry/tracing.py),
+ * inline where they are plain ---- */
 
 static struct {
     PyObject *span_type;  /* tracing.SpanRecord */
@@ -1202,7 +1203,7 @@ read_span_offsets(PyTypeObject *type)
         }
         found[i] = m->offset;
     }
-    if (count != SPAN_SLOTS || type->tp_base != &PyBaseObject_Type || type->tp_init == NULL) {
+    if (count != SPAN_SLOTS || type->tp_base != &PyBaseObject_Type) {
         PyErr_SetString(PyExc_TypeError, "configure_spans: span_type must be a class whose __slots__ are SpanRecord's");
         return -1;
     }
@@ -1399,10 +1400,8 @@ start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
     PyObject *bound = low != NULL ? PyObject_GetAttr(tracer, s_root_bound) : NULL;
     int sampled = bound != NULL ? PyObject_RichCompareBool(low, bound, Py_LT) : -1;
     if (sampled >= 0) {
-        PyObject *zero = PyLong_FromLong(0);
-        span = zero != NULL ? new_span(name, span_refs.client_kind, trace_id, zero, Py_False,
-                                       sampled ? Py_True : Py_False, attributes, start) : NULL;
-        Py_XDECREF(zero);
+        span = new_span(name, span_refs.client_kind, trace_id, span_refs.zero, Py_False, sampled ? Py_True : Py_False,
+                        attributes, start);
     }
     Py_XDECREF(trace_id);
     Py_XDECREF(low);
