@@ -32,7 +32,8 @@ def attach(runtime: Runtime) -> None:
     runtime.add_housekeeping(calls.sweep)
     runtime.add_closing(runtime.recorder.dump_if_calls_in_flight)  # first: before the calls are ended
     runtime.add_closing(calls.end_unfinished)
-    if runtime.metrics is not None and trailer.core is not None:  # the fold in C (its reference: metrics.py's)
+    if runtime.metrics is not None and trailer.core is not None:  # the queue and fold in C (references: metrics.py)
+        runtime.metrics.use_queue(trailer.core.Records())
         runtime.metrics.fold_records = trailer.core.fold
     if runtime.metrics is not None and runtime.state is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info

@@ -13,6 +13,7 @@
 #include <structmember.h>
 #include <limits.h>
 #include <string.h>
+#include <time.h>
 
 #define MAGIC "\x00rpcobs1"
 #define MAGIC_SIZE 8
@@ -419,6 +420,40 @@ intern_names(void)
     return 0;
 }
 
+/* The configured clocks are the time module's own (not a test's): read here, as CPython reads them on Linux
+ * (clock_gettime, the same clock and the same conversion), without a call and an int or float object each. */
+static int native_time_ns, native_perf_counter;
+
+/* 1 if `clock` is time.<name>, 0 if not, -1 with an error set. */
+static int
+is_time_function(PyObject *clock, const char *name)
+{
+    PyObject *time_module = PyImport_ImportModule("time");
+    PyObject *function = time_module != NULL ? PyObject_GetAttrString(time_module, name) : NULL;
+    Py_XDECREF(time_module);
+    if (function == NULL) {
+        return -1;
+    }
+#ifdef __linux__
+    int same = function == clock;
+#else
+    int same = 0;  /* perf_counter is another clock elsewhere (macOS: mach_absolute_time): called */
+#endif
+    Py_DECREF(function);
+    return same;
+}
+
+/* CLOCK_REALTIME (time.time_ns) or CLOCK_MONOTONIC (time.perf_counter on Linux) in ns; -1 if it fails. */
+static long long
+clock_ns(clockid_t id)
+{
+    struct timespec ts;
+    if (clock_gettime(id, &ts) != 0) {
+        return -1;
+    }
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
 PyDoc_STRVAR(configure_doc,
 "configure(in_flight, finished_append, fold_message, fold_split, fold_finished, remote_exception, python_udf,\n"
 "          incoming_udf, request_cells, finish_call, not_handled, time_ns, local, next_id, pending_replies,\n"
@@ -446,10 +481,15 @@ configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (max_in_flight == -1 && PyErr_Occurred()) {
         return NULL;
     }
+    int native = is_time_function(args[11], "time_ns");
+    if (native < 0) {
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < count; i++) {
         Py_XSETREF(*slots[i], Py_NewRef(args[i]));
     }
     refs.max_in_flight = max_in_flight;
+    native_time_ns = native;
     Py_RETURN_NONE;
 }
 
@@ -525,6 +565,19 @@ tensor_sizes(PyObject *tensors, long long *logical, long long *traveling)
     return 0;
 }
 
+/* A metric record, pushed as it is (no tuple, no number objects) where `record` is a `Records` queue's append,
+ * else made as the tuple metrics.py declares and handed to `record` (the reference; with the fold below). */
+enum { FOLD_MESSAGE, FOLD_STARTED, FOLD_FINISHED, FOLD_SPLIT, FOLD_SERVED, FOLDS };
+enum { N_PAYLOAD, N_TENSORS, N_LOGICAL, N_TRAVELING, N_WIRE, NUMBERS };
+typedef struct {
+    int fold;  /* FOLD_*, or -1: `cells` is a record appended as a Python object */
+    PyObject *cells;  /* strong */
+    PyObject *other;  /* strong: FOLD_MESSAGE the peer bytes cell, else the span; None if none */
+    long long n[NUMBERS];  /* FOLD_MESSAGE's counts */
+    double s[2];  /* seconds; FOLD_SPLIT: and the callee's seconds */
+} crecord;
+static int push_record(PyObject *record, crecord *r);
+
 /* `record((fold_message, cells, payload bytes, tensors, tensor bytes, storage bytes, seconds, peer cell, wire))` */
 static int
 record_message(PyObject *record, PyObject *cells, Py_ssize_t payload, PyObject *tensors, double seconds,
@@ -535,22 +588,23 @@ record_message(PyObject *record, PyObject *cells, Py_ssize_t payload, PyObject *
     if (count < 0 || (count > 0 && tensor_sizes(tensors, &logical, &traveling) < 0)) {
         return -1;
     }
-    PyObject *rec = Py_BuildValue("(OOnnLLdOL)", refs.fold_message, cells, payload, count, logical, traveling,
-                                  seconds, peer_cell != NULL ? peer_cell : Py_None,
-                                  peer_cell != NULL ? held_add((long long)message_bytes, traveling) : 0LL);
-    if (rec == NULL) {
-        return -1;
-    }
-    PyObject *done = PyObject_CallOneArg(record, rec);
-    Py_DECREF(rec);
-    Py_XDECREF(done);
-    return done != NULL ? 0 : -1;
+    crecord r = {FOLD_MESSAGE, cells, peer_cell != NULL ? peer_cell : Py_None,
+                 {payload, count, logical, traveling, peer_cell != NULL ? held_add((long long)message_bytes, traveling)
+                                                                        : 0LL}, {seconds, 0.0}};
+    return push_record(record, &r);
 }
 
 /* time.time_ns(), through the configured clock; -1 with an error set if it fails. */
 static long long
 now_ns(void)
 {
+    if (native_time_ns) {
+        long long ns = clock_ns(CLOCK_REALTIME);
+        if (ns < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+        }
+        return ns;
+    }
     PyObject *now = PyObject_CallNoArgs(refs.time_ns);
     if (now == NULL) {
         return -1;
@@ -632,14 +686,11 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
         if ((cells = GET(site, s_cells)) == NULL) {
             goto done;
         }
-        double call_s = (double)(end_ns - start_ns) / 1e9;
-        rec = callee_ns >= 0
-            ? Py_BuildValue("(OOddO)", refs.fold_split, cells, call_s, (double)callee_ns / 1e9, span)
-            : Py_BuildValue("(OOdO)", refs.fold_finished, cells, call_s, span);
-        if (rec == NULL || (done = PyObject_CallOneArg(record, rec)) == NULL) {
+        crecord r = {callee_ns >= 0 ? FOLD_SPLIT : FOLD_FINISHED, cells, span, {0},
+                     {(double)(end_ns - start_ns) / 1e9, (double)callee_ns / 1e9}};
+        if (push_record(record, &r) < 0) {
             goto done;
         }
-        Py_CLEAR(done);
     }
     if (span != Py_None) {
         PyObject *tracer = NULL, *callee = PyLong_FromLongLong(callee_ns);
@@ -723,35 +774,12 @@ done:
     return result;
 }
 
-/* The arguments `handle` and `serialized` share: (runtime, obj, data, tensors, start, seconds). */
-static int
-hot_path_args(const char *name, PyObject *const *args, Py_ssize_t nargs, double *start, double *seconds)
-{
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "%s takes 6 arguments", name);
-        return -1;
-    }
-    if (refs.not_handled == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_core.configure was not called");
-        return -1;
-    }
-    *start = PyFloat_AsDouble(args[4]);
-    *seconds = PyFloat_AsDouble(args[5]);
-    return (*start == -1.0 || *seconds == -1.0) && PyErr_Occurred() ? -1 : 0;
-}
-
-/* handle(runtime, obj, data, tensors, start, seconds, /) pickler.deserialize's fast paths after torch unpickled
- * `obj` from `data`: ends the call an echoed response names, or gives the UDF of a request with the caller's
+/* pickler.deserialize's fast paths after torch unpickled `obj` from `data` (`start`: perf_counter() before,
+ * `seconds` it took): ends the call an echoed response names, or gives the UDF of a request with the caller's
  * fields; returns what torch gets, or `not_handled` (configure) for the general path. */
-
 static PyObject *
-handle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+handle(PyObject *runtime, PyObject *obj, PyObject *data, PyObject *tensors, double start, double seconds)
 {
-    double start, seconds;
-    if (hot_path_args("handle", args, nargs, &start, &seconds) < 0) {
-        return NULL;
-    }
-    PyObject *runtime = args[0], *obj = args[1], *data = args[2], *tensors = args[3];
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
@@ -885,18 +913,12 @@ done:
     return result;
 }
 
-/* serialized(runtime, obj, data, tensors, start, seconds, /) pickler.serialize's fast paths after torch pickled
- * `obj` into `data`: a client call's request, or the response of the UDF this thread ran; returns what torch
- * gets, or `not_handled` (configure) for the general path, before anything was taken or changed. */
-
+/* pickler.serialize's fast paths after torch pickled `obj` into `data` (`start`, `seconds`: as `handle`'s): a
+ * client call's request, or the response of the UDF this thread ran; returns what torch gets, or `not_handled`
+ * (configure) for the general path, before anything was taken or changed. */
 static PyObject *
-serialized(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+serialized(PyObject *runtime, PyObject *obj, PyObject *data, PyObject *tensors, double start, double seconds)
 {
-    double start, seconds;
-    if (hot_path_args("serialized", args, nargs, &start, &seconds) < 0) {
-        return NULL;
-    }
-    PyObject *runtime = args[0], *obj = args[1], *data = args[2], *tensors = args[3];
     if (!PyBytes_CheckExact(data)) {
         return Py_NewRef(refs.not_handled);
     }
@@ -1006,6 +1028,15 @@ swallow(PyObject *where)
 static int
 read_clock(double *out)
 {
+    if (native_perf_counter) {  /* _PyTime_AsSecondsDouble's conversion */
+        long long ns = clock_ns(CLOCK_MONOTONIC);
+        if (ns < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        *out = ns % 1000000000LL == 0 ? (double)(ns / 1000000000LL) : (double)ns / 1e9;
+        return 0;
+    }
     PyObject *now = PyObject_CallNoArgs(hook_refs.perf_counter);
     if (now == NULL) {
         return -1;
@@ -1679,13 +1710,10 @@ run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
     }
     if (record != Py_None) {
         PyObject *cells = PyObject_GetAttr(r->site, s_cells);
-        PyObject *rec = cells != NULL ? Py_BuildValue("(OOdO)", hook_refs.fold_served, cells,
-                                                      (double)(end_ns - r->start_ns) / 1e9, r->span) : NULL;
-        PyObject *done = rec != NULL ? PyObject_CallOneArg(record, rec) : NULL;
+        crecord served = {FOLD_SERVED, cells, r->span, {0}, {(double)(end_ns - r->start_ns) / 1e9, 0.0}};
+        int failed = cells == NULL || push_record(record, &served) < 0;
         Py_XDECREF(cells);
-        Py_XDECREF(rec);
-        Py_XDECREF(done);
-        if (done == NULL) {
+        if (failed) {
             Py_DECREF(record);
             return -1;
         }
@@ -2110,31 +2138,36 @@ hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
         return out;
     }
     PyObject *call_args[6];
-    PyObject *start_obj = PyFloat_FromDouble(start), *seconds_obj = PyFloat_FromDouble(end - start);
+    PyObject *start_obj = NULL, *seconds_obj = NULL;  /* made for the general paths only */
     PyObject *result = NULL;
-    if (start_obj == NULL || seconds_obj == NULL) {
-        goto failed;
-    }
     if (self->kind == SERIALIZE) {
         if (!PyTuple_CheckExact(out) || PyTuple_GET_SIZE(out) != 2) {  /* not (data, tensors): not ours to read */
             result = Py_NewRef(out);
             goto done;
         }
         call_args[0] = runtime, call_args[1] = args[1], call_args[2] = PyTuple_GET_ITEM(out, 0);
-        call_args[3] = PyTuple_GET_ITEM(out, 1), call_args[4] = start_obj, call_args[5] = seconds_obj;
-        result = serialized(NULL, call_args, 6);
+        call_args[3] = PyTuple_GET_ITEM(out, 1);
+        result = serialized(runtime, args[1], call_args[2], call_args[3], start, end - start);
         if (result == refs.not_handled) {
             Py_DECREF(result);
-            call_args[4] = seconds_obj;  /* _serialize_other(runtime, obj, data, tensors, seconds) */
+            result = NULL;
+            if ((call_args[4] = seconds_obj = PyFloat_FromDouble(end - start)) == NULL) {
+                goto failed;
+            }
+            /* _serialize_other(runtime, obj, data, tensors, seconds) */
             result = PyObject_Vectorcall(hook_refs.serialize_other, call_args, 5, NULL);
         }
     }
     else {
         call_args[0] = runtime, call_args[1] = out, call_args[2] = args[1], call_args[3] = args[2];
-        call_args[4] = start_obj, call_args[5] = seconds_obj;
-        result = handle(NULL, call_args, 6);
+        result = handle(runtime, out, args[1], args[2], start, end - start);
         if (result == refs.not_handled) {
             Py_DECREF(result);
+            result = NULL;
+            if ((call_args[4] = start_obj = PyFloat_FromDouble(start)) == NULL ||
+                (call_args[5] = seconds_obj = PyFloat_FromDouble(end - start)) == NULL) {
+                goto failed;
+            }
             result = PyObject_Vectorcall(hook_refs.on_other_message, call_args, 6, NULL);
         }
     }
@@ -2257,9 +2290,14 @@ configure_hooks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject **slots[] = {&hook_refs.runtime_module, &hook_refs.perf_counter, &hook_refs.internal_error,
                           &hook_refs.on_other_message, &hook_refs.serialize_other};
+    int native = is_time_function(args[1], "perf_counter");
+    if (native < 0) {
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < nargs; i++) {
         Py_XSETREF(*slots[i], Py_NewRef(args[i]));
     }
+    native_perf_counter = native;
     Py_RETURN_NONE;
 }
 
@@ -2290,7 +2328,6 @@ configure_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * list of the bucket count's length) goes to that function itself, so the outcome, an exception included, is the
  * reference's. Every check comes before the first change to a cell. */
 
-enum { FOLD_MESSAGE, FOLD_STARTED, FOLD_FINISHED, FOLD_SPLIT, FOLD_SERVED, FOLDS };
 enum { SIZE, COUNT, LATENCY, SERIALIZATION, BUCKET_KINDS };
 enum { MESSAGE_CELLS, CLIENT_CELLS, SERVER_CELLS, CELL_TYPES };
 
@@ -2501,6 +2538,215 @@ fold_known(PyObject *r)
     return 0;
 }
 
+/* ---- Records: the metrics' queue of records where the core is built (Metrics.use_queue) ----
+ *
+ * A deque's append, popleft, clear, len and iteration, over a ring of `crecord`s: the hot paths above push their
+ * records as they are, and a record becomes the tuple metrics.py declares only when it is taken (popleft, for the
+ * fold; iteration, for tests), made by `as_tuple`, the one place that knows the shapes. Every access holds the GIL,
+ * and an entry leaves the ring before anything that could run Python code (and so let another thread in) is
+ * done with it. */
+
+typedef struct {
+    PyObject_HEAD
+    crecord *ring;
+    Py_ssize_t head, size, capacity;  /* capacity: 0 or a power of 2 */
+} Records;
+
+static PyTypeObject RecordsType;
+
+/* The record as metrics.py's tuple (a new reference); a record appended as an object is itself. */
+static PyObject *
+as_tuple(const crecord *r)
+{
+    PyObject *fold = fold_refs.folds[r->fold < 0 ? 0 : r->fold];
+    switch (r->fold) {
+    case FOLD_MESSAGE:
+        return Py_BuildValue("(OOLLLLdOL)", fold, r->cells, r->n[N_PAYLOAD], r->n[N_TENSORS], r->n[N_LOGICAL],
+                             r->n[N_TRAVELING], r->s[0], r->other, r->n[N_WIRE]);
+    case FOLD_FINISHED:
+    case FOLD_SERVED:
+        return Py_BuildValue("(OOdO)", fold, r->cells, r->s[0], r->other);
+    case FOLD_SPLIT:
+        return Py_BuildValue("(OOddO)", fold, r->cells, r->s[0], r->s[1], r->other);
+    default:
+        return Py_NewRef(r->cells);
+    }
+}
+
+static void
+crecord_clear(crecord *r)
+{
+    Py_CLEAR(r->cells);
+    Py_CLEAR(r->other);
+}
+
+/* Takes a copy of `r` (its references added) at the end of the ring. */
+static int
+records_push(Records *q, const crecord *r)
+{
+    if (q->size == q->capacity) {
+        Py_ssize_t capacity = q->capacity ? q->capacity * 2 : 64;
+        if (capacity > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(crecord)) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        crecord *ring = PyMem_Malloc((size_t)capacity * sizeof(crecord));
+        if (ring == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < q->size; i++) {  /* in order, from the head */
+            ring[i] = q->ring[(q->head + i) & (q->capacity - 1)];
+        }
+        PyMem_Free(q->ring);
+        q->ring = ring, q->head = 0, q->capacity = capacity;
+    }
+    crecord *slot = &q->ring[(q->head + q->size) & (q->capacity - 1)];
+    *slot = *r;
+    Py_INCREF(slot->cells);
+    Py_XINCREF(slot->other);
+    q->size++;
+    return 0;
+}
+
+static int
+push_record(PyObject *record, crecord *r)
+{
+    if (fold_refs.one != NULL && PyCFunction_Check(record)) {  /* Records.append, bound: the queue itself */
+        PyObject *queue = PyCFunction_GET_SELF(record);
+        if (queue != NULL && Py_IS_TYPE(queue, &RecordsType)) {
+            return records_push((Records *)queue, r);
+        }
+    }
+    PyObject *tuple = as_tuple(r);
+    PyObject *done = tuple != NULL ? PyObject_CallOneArg(record, tuple) : NULL;
+    Py_XDECREF(tuple);
+    Py_XDECREF(done);
+    return done != NULL ? 0 : -1;
+}
+
+static PyObject *
+records_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Records() takes no arguments");
+        return NULL;
+    }
+    if (fold_refs.one == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_core.configure_fold was not called");
+        return NULL;
+    }
+    return type->tp_alloc(type, 0);  /* zeroed: empty, no ring yet */
+}
+
+static PyObject *
+records_clear_method(Records *q, PyObject *unused)
+{
+    while (q->size > 0) {  /* one at a time: a release may run Python code that appends */
+        crecord r = q->ring[q->head];
+        q->head = (q->head + 1) & (q->capacity - 1), q->size--;
+        crecord_clear(&r);
+    }
+    Py_RETURN_NONE;
+}
+
+static void
+records_dealloc(Records *q)
+{
+    PyObject_GC_UnTrack(q);
+    PyObject *done = records_clear_method(q, NULL);
+    Py_XDECREF(done);
+    PyMem_Free(q->ring);
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+static int
+records_traverse(Records *q, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = 0; i < q->size; i++) {
+        crecord *r = &q->ring[(q->head + i) & (q->capacity - 1)];
+        Py_VISIT(r->cells);
+        Py_VISIT(r->other);
+    }
+    return 0;
+}
+
+static int
+records_tp_clear(Records *q)
+{
+    PyObject *done = records_clear_method(q, NULL);
+    Py_XDECREF(done);
+    return 0;
+}
+
+static PyObject *
+records_append(Records *q, PyObject *record)
+{
+    crecord r = {-1, record, NULL, {0}, {0.0, 0.0}};
+    return records_push(q, &r) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static PyObject *
+records_popleft(Records *q, PyObject *unused)
+{
+    if (q->size == 0) {
+        PyErr_SetString(PyExc_IndexError, "pop from an empty Records");
+        return NULL;
+    }
+    crecord r = q->ring[q->head];
+    q->head = (q->head + 1) & (q->capacity - 1), q->size--;
+    PyObject *tuple = as_tuple(&r);
+    crecord_clear(&r);
+    return tuple;
+}
+
+static Py_ssize_t
+records_len(Records *q)
+{
+    return q->size;
+}
+
+static PyObject *
+records_iter(Records *q)
+{
+    PyObject *list = PyList_New(0);  /* a snapshot, as tuples */
+    for (Py_ssize_t i = 0; list != NULL && i < q->size; i++) {
+        PyObject *tuple = as_tuple(&q->ring[(q->head + i) & (q->capacity - 1)]);
+        if (tuple == NULL || PyList_Append(list, tuple) < 0) {
+            Py_CLEAR(list);
+        }
+        Py_XDECREF(tuple);
+    }
+    PyObject *iter = list != NULL ? PyObject_GetIter(list) : NULL;
+    Py_XDECREF(list);
+    return iter;
+}
+
+static PyMethodDef records_methods[] = {
+    {"append", (PyCFunction)records_append, METH_O, "Queues a record (a tuple of metrics.py's shapes)."},
+    {"popleft", (PyCFunction)records_popleft, METH_NOARGS, "The oldest record, as metrics.py's tuple, taken out."},
+    {"clear", (PyCFunction)records_clear_method, METH_NOARGS, "Drops every record."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods records_as_sequence = {.sq_length = (lenfunc)records_len};
+
+static PyTypeObject RecordsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rpc_observe.hooks._core.Records",
+    .tp_doc = "Records(): the metrics' record queue, as a deque of tuples to Python; the C hot paths push records\n"
+              "without making them (Metrics.use_queue).",
+    .tp_basicsize = sizeof(Records),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = records_new,
+    .tp_dealloc = (destructor)records_dealloc,
+    .tp_traverse = (traverseproc)records_traverse,
+    .tp_clear = (inquiry)records_tp_clear,
+    .tp_iter = (getiterfunc)records_iter,
+    .tp_as_sequence = &records_as_sequence,
+    .tp_methods = records_methods,
+};
+
 PyDoc_STRVAR(fold_doc,
 "fold(records, n, /)\n--\n\n"
 "metrics.fold_records: pops `n` records off the left of the deque `records` and folds each into its cells.");
@@ -2644,7 +2890,8 @@ PyInit__core(void)
          (hook_refs.where_serialize = PyUnicode_InternFromString("serialize")) == NULL) ||
         (hook_refs.where_deserialize == NULL &&
          (hook_refs.where_deserialize = PyUnicode_InternFromString("deserialize")) == NULL) ||
-        intern_run_names() < 0 || intern_invoke_names() < 0 || PyType_Ready(&HookType) < 0) {
+        intern_run_names() < 0 || intern_invoke_names() < 0 || PyType_Ready(&HookType) < 0 ||
+        PyType_Ready(&RecordsType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&core_module);
@@ -2652,6 +2899,7 @@ PyInit__core(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(module, "Hook", (PyObject *)&HookType) < 0 ||
+        PyModule_AddObjectRef(module, "Records", (PyObject *)&RecordsType) < 0 ||
         PyModule_AddIntConstant(module, "SERIALIZE", SERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "RUN_FUNCTION", RUN_FUNCTION) < 0 ||

@@ -21,7 +21,7 @@ import bisect
 import collections
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -95,6 +95,17 @@ SplitRecord = tuple["Callable[[SplitRecord], None]", ClientCells, float, float, 
 # A UDF run ended: (..., seconds, span).
 ServedRecord = tuple["Callable[[ServedRecord], None]", ServerCells, float, "SpanRecord | None"]
 Record = MessageRecord | StartedRecord | FinishedRecord | SplitRecord | ServedRecord
+
+
+class RecordQueue(Protocol):
+    """The queue of records `drain` folds: a deque, or the C core's `Records` (hooks/_core.c), which its hot paths
+    fill without making tuples and which gives the same tuples to Python."""
+
+    def append(self, record: Record, /) -> None: ...
+    def popleft(self) -> Record: ...
+    def clear(self) -> None: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Record]: ...
 
 
 class _Family:
@@ -219,7 +230,7 @@ def fold_served(r: ServedRecord) -> None:
         cells.exemplars[bucket] = (span, seconds)
 
 
-def fold_records(records: collections.deque[Record], n: int) -> None:
+def fold_records(records: RecordQueue, n: int) -> None:
     """Pops `n` records off the left of `records` and folds each with the function it starts with.
     The reference of the C core's `fold` (hooks/_core.c), which `Metrics.fold_records` becomes where it is built."""
     pop = records.popleft
@@ -248,10 +259,10 @@ class Metrics(Collector):
         peer_histograms: bool = False,
     ) -> None:
         self.worker = worker
-        self._records: collections.deque[Record] = collections.deque()
+        self._records: RecordQueue = collections.deque()
         self.record: Callable[[Record], None] = self._records.append  # one C call, safe across threads
         # The fold of `drain`: `fold_records`, or the C core's where the hooks found it built.
-        self.fold_records: Callable[[collections.deque[Record], int], None] = fold_records
+        self.fold_records: Callable[[RecordQueue, int], None] = fold_records
         self._before_collect = before_collect
         self._limits = {"method": max_names, "peer": max_peers, "exception": max_names}
         self._names: dict[str, set] = {"method": set(), "peer": set(), "exception": set()}
@@ -302,6 +313,14 @@ class Metrics(Collector):
             )
 
     # -- hot path: `record((fold_..., ...))`, one deque append ---------------------
+    def use_queue(self, queue: RecordQueue) -> None:
+        """Queues records in `queue` from now on (the C core's `Records`); the hooks call it before any call site
+        has taken `record`. What was queued before moves over, in order."""
+        with self.lock:
+            old, self._records, self.record = self._records, queue, queue.append
+            while old:
+                queue.append(old.popleft())
+
     def drain(self, limit: int | None = None) -> bool:
         """Folds up to `limit` queued records (all if None) into the metric cells; True if some are left."""
         records = self._records

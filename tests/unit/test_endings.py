@@ -7,6 +7,7 @@ spans, profiler events, the flight recorder's last finished calls. Real torch ob
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ from rpc_observe.telemetry import health, runtime, tracing
 from rpc_observe.telemetry.metrics import ClientCells, Metrics, fold_finished, fold_message, fold_split
 
 START_NS, END_NS = 1_700_000_000_000_000_000, 1_700_000_000_004_000_000
-WORLDS = ["metrics+spans", "metrics", "spans", "nothing", "metrics+spans+profiler"]
+# "+records": the metrics queue their records in the C core's `Records` (as under the hooks), not a deque
+WORLDS = ["metrics+spans", "metrics", "spans", "nothing", "metrics+spans+profiler", "metrics+records",
+          "metrics+spans+records"]
 
 
 def noop() -> None:
@@ -43,6 +46,10 @@ def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[runtime.Ru
     rt = runtime.Runtime(cfg, "worker0", 0)
     if "metrics" in name:
         rt.metrics = Metrics("worker0", 100)  # as with RPC_OBSERVE_METRICS=1, without serving it
+    if "records" in name:
+        if trailer.core is None:
+            pytest.skip("the C core is not built here")
+        rt.metrics.use_queue(trailer.core.Records())  # type: ignore[union-attr]
     if "spans" in name:
         rt.tracer = tracing.Tracer(cfg, [])  # no sink: ended spans wait in its queue, read below
     if "profiler" in name:
@@ -292,3 +299,89 @@ def test_a_call_made_in_c_is_the_call_python_makes(world: runtime.Runtime, monke
     finally:
         calls.serving.pop(thread, None)
         pickler.configure_core(time.time_ns, time.perf_counter)
+
+
+@needs_core
+def test_the_c_core_reads_the_time_modules_clocks_as_they_do(world: runtime.Runtime) -> None:
+    """Configured with time.time_ns and time.perf_counter themselves, the C hot paths read those clocks directly
+    (no call, no object): their readings fall between the time module's own, on each side of the hook."""
+    assert trailer.core is not None
+    pickler.configure_core(time.time_ns, time.perf_counter)  # the defaults, as at import
+    site = ClientSite(world, noop, "sync", "worker1")
+    call = calls.Call(world, site)
+    call.id = calls.next_id()
+    calls.in_flight[call.id] = call
+    hook = trailer.core.Hook(lambda self, d, t: {"a": 1}, trailer.core.DESERIALIZE)
+    before_ns = time.time_ns()
+    hook(None, b"RESULT." + trailer.response_trailer(str(call.id)), [])
+    after_ns = time.time_ns()
+    [(_, _, start_ns, end_ns, _)] = calls.finished
+    assert start_ns == call.start_ns and before_ns <= end_ns <= after_ns
+
+    request = b"PICKLE." + trailer.request_trailer(trailer.request_head("worker1", "sync"), 3)
+    hook = trailer.core.Hook(lambda self, d, t: PythonUDF(noop, (), {}), trailer.core.DESERIALIZE)
+    before = time.perf_counter()
+    udf = hook(None, request, [])
+    after = time.perf_counter()
+    assert isinstance(udf, pickler._IncomingUDF) and before <= udf.rpc_observe_start <= after
+    if world.metrics is not None:  # the unpickling's seconds, as measured on the same clock
+        [message] = [r for r in world.metrics._records if r[0] is fold_message and r[1] is not site.response_cells]
+        assert 0.0 <= message[6] <= after - before
+
+
+@needs_core
+def test_records_pushed_in_c_fold_as_the_tuples_python_makes(tmp_path: Path, codec: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same calls ended and UDF requests taken by the C hot paths, once into the C core's `Records` (records
+    pushed as they are) and once into a deque (the tuples made, as in Python), then drained (`_core.fold`, and for
+    the deque also metrics.py's `fold_records`): the same cells, exemplars included."""
+    from rpc_observe.telemetry.metrics import fold_records
+
+    if codec == "python":
+        pytest.skip("the C hot paths' records")
+    cfg = config.load({"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none",
+                       "RPC_OBSERVE_PROFILER_EVENTS": "0", "RPC_OBSERVE_METRICS": "0"})
+    states = []
+    for queue, fold in (("records", trailer.core.fold), ("deque", trailer.core.fold), ("deque", fold_records)):
+        clock, seconds = itertools.count(START_NS, 1_234_567), itertools.count(10.0, 0.000_125)  # the same each way
+        monkeypatch.setattr(pickler, "_time_ns", clock.__next__)
+        monkeypatch.setattr(calls, "_time_ns", clock.__next__)
+        monkeypatch.setattr(pickler, "_perf_counter", seconds.__next__)
+        monkeypatch.setattr(calls, "next_id", itertools.count(1).__next__)  # the same ids (their bytes are counted)
+        rt = runtime.Runtime(cfg, "worker0", 0)
+        rt.metrics, rt.tracer = Metrics("worker0", 100), tracing.Tracer(cfg, [])
+        if queue == "records":
+            rt.metrics.use_queue(trailer.core.Records())
+        runtime.current = rt
+        try:
+            site = ClientSite(rt, noop, "sync", "worker1")
+            for i in range(40):
+                call = calls.Call(rt, site)
+                call.id = calls.next_id()
+                calls.in_flight[call.id] = call
+                response = b"RESULT." + trailer.response_trailer(str(call.id), 1000 * i if i % 3 else -1)
+                pickler.wrap_deserialize(lambda self, d, t: {"a": 1})(None, response, [torch.ones(i)])
+                request = b"PICKLE." + trailer.request_trailer(trailer.request_head("worker1", "sync"), i)
+                udf = pickler.wrap_deserialize(lambda self, d, t: PythonUDF(noop, (), {}))(None, request, [])
+                server.wrap_run_function(lambda python_udf: None)(udf)
+                calls.pending_replies.clear()
+            assert type(rt.metrics._records) is (trailer.core.Records if queue == "records" else collections.deque)
+            assert len(rt.metrics._records) > 120
+            rt.metrics.fold_records = fold
+            assert rt.metrics.drain() is False
+            states.append(_metric_state(rt.metrics))
+        finally:
+            runtime.current = None
+            calls.in_flight.clear()
+            calls.finished.clear()
+            rt.close()
+    assert states[0] == states[1] == states[2]
+    assert "torch_rpc_client_callee_seconds" in states[0] and "Span" not in states[0]
+
+
+def _metric_state(metrics: Metrics) -> str:
+    """Every cell, and the exemplars by their spans' times (their ids are random)."""
+    return repr([(f.declaration.name, sorted(f.children.items()),
+                  sorted((k, [(s.start_ns, s.end_ns, sec) if s else None for s, sec in
+                              [(e if e else (None, None)) for e in v]]) for k, v in (f.exemplars or {}).items()))
+                 for f in metrics._families])

@@ -218,3 +218,43 @@ def test_folding_keeps_no_object() -> None:
     fold_all(batches[2])
     fold_all(batches[3])
     assert sys.getallocatedblocks() - before < 100
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_records_is_a_deque_to_python(seed: int) -> None:
+    """The C core's record queue against a deque: the same appends, poplefts and clears (its ring wrapping and
+    growing on the way) leave the same records in the same order; folded, the same cells."""
+    assert core is not None
+    rng = random.Random(seed)
+    records, reference = core.Records(), collections.deque()
+    for step in range(3000):
+        roll = rng.random()
+        if roll < 0.6:
+            record = (step, rng.random())
+            records.append(record)
+            reference.append(record)
+        elif roll < 0.995:
+            if reference:
+                assert records.popleft() == reference.popleft()
+            else:
+                with pytest.raises(IndexError):
+                    records.popleft()
+        else:
+            records.clear()
+            reference.clear()
+        assert len(records) == len(reference) and bool(records) is bool(reference)
+    assert list(records) == list(reference)
+    python, c = Metrics("w0", 10), Metrics("w0", 10)
+    c.use_queue(core.Records())
+    c.fold_records = core.fold
+    for record in records_for(c, seed, 400):
+        c.record(record)
+    assert c.drain(100) is True and c.drain() is False
+    fold_records(collections.deque(records_for(python, seed, 400)), 400)
+    assert state(c) == state(python)
+
+
+def test_records_is_not_made_with_arguments() -> None:
+    assert core is not None
+    with pytest.raises(TypeError):
+        core.Records(1)  # type: ignore[call-arg]
