@@ -113,111 +113,28 @@ read_response(const char *p, Py_ssize_t n, trailer_view *out)
     return RESPONSE;
 }
 
-/* The head of a call site's requests, `q \x1f src \x1f mode`, as the strings it decodes to. The same few heads come
- * again and again, so each is decoded once and its strings shared by the fields of every request that has it (and,
- * hashed once, by the server's site table's keys). A direct-mapped cache: each slot keeps a copy of the bytes it
- * stands for, compared in full before it is used; a head too long for a slot is decoded every time. */
-#define HEAD_SLOTS 64
-#define MAX_HEAD 192
-static struct {
-    Py_ssize_t size;  /* 0: empty */
-    char bytes[MAX_HEAD];
-    PyObject *fields[3];
-} heads[HEAD_SLOTS];
-
-/* The three fields of `p[0:n]` (new references in `fields`); 0 if it is not valid UTF-8, -1 with an error set. */
-static int
-head_fields(const char *p, Py_ssize_t n, PyObject **fields)
-{
-    unsigned int hash = 2166136261u;  /* FNV-1a */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        hash = (hash ^ (unsigned char)p[i]) * 16777619u;
-    }
-    int slot = (int)(hash % HEAD_SLOTS);
-    if (heads[slot].size == n && memcmp(heads[slot].bytes, p, (size_t)n) == 0) {
-        for (int i = 0; i < 3; i++) {
-            fields[i] = Py_NewRef(heads[slot].fields[i]);
-        }
-        return 1;
-    }
-    PyObject *text = PyUnicode_DecodeUTF8(p, n, "strict");
-    if (text == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
-            return -1;
-        }
-        PyErr_Clear();
-        return 0;
-    }
-    PyObject *parts = PyUnicode_Split(text, sep_str, -1);
-    Py_DECREF(text);
-    if (parts == NULL) {
-        return -1;
-    }
-    if (PyList_GET_SIZE(parts) != 3) {  /* two separators in the head: never otherwise */
-        Py_DECREF(parts);
-        PyErr_SetString(PyExc_SystemError, "a request head of other than three fields");
-        return -1;
-    }
-    for (int i = 0; i < 3; i++) {
-        fields[i] = Py_NewRef(PyList_GET_ITEM(parts, i));
-    }
-    Py_DECREF(parts);
-    if (n > 0 && n <= MAX_HEAD) {
-        heads[slot].size = 0;  /* empty while it changes */
-        for (int i = 0; i < 3; i++) {
-            Py_XSETREF(heads[slot].fields[i], Py_NewRef(fields[i]));
-        }
-        memcpy(heads[slot].bytes, p, (size_t)n);
-        heads[slot].size = n;
-    }
-    return 1;
-}
-
-/* A request's payload (UTF-8, fields split by 0x1f). NONE if it is not a valid one. Read as decoding it whole and
- * splitting it would (trailer.parse): 0x1f is never part of another character's UTF-8 bytes, so the head and the
- * rest decode as the whole does. */
+/* A request's payload (UTF-8, fields split by 0x1f). NONE if it is not a valid one. */
 static enum kind
 read_request(const char *p, Py_ssize_t n, trailer_view *out)
 {
-    Py_ssize_t head = -1;
-    for (Py_ssize_t i = 0, seps = 0; i < n; i++) {
-        if (p[i] == SEP && ++seps == 3) {
-            head = i;
-            break;
+    PyObject *text = PyUnicode_DecodeUTF8(p, n, "strict");
+    if (text == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+            return FAILED;
         }
-    }
-    if (head < 0) {  /* kind, src, mode, call id, context...: fewer than four fields */
+        PyErr_Clear();
         return NONE;
     }
-    PyObject *first[3];
-    int valid = head_fields(p, head, first);
-    if (valid <= 0) {
-        return valid < 0 ? FAILED : NONE;
-    }
-    PyObject *fields = NULL, *text = PyUnicode_DecodeUTF8(p + head + 1, n - head - 1, "strict");
-    PyObject *rest = text != NULL ? PyUnicode_Split(text, sep_str, -1) : NULL;
-    Py_XDECREF(text);
-    if (rest != NULL && (fields = PyList_New(3 + PyList_GET_SIZE(rest))) != NULL) {
-        for (int i = 0; i < 3; i++) {
-            PyList_SET_ITEM(fields, i, first[i]);  /* steals */
-            first[i] = NULL;
-        }
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rest); i++) {
-            PyList_SET_ITEM(fields, 3 + i, Py_NewRef(PyList_GET_ITEM(rest, i)));
-        }
-    }
-    Py_XDECREF(rest);
-    for (int i = 0; i < 3; i++) {
-        Py_XDECREF(first[i]);
-    }
+    PyObject *fields = PyUnicode_Split(text, sep_str, -1);
+    Py_DECREF(text);
     if (fields == NULL) {
-        if (text == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
-            PyErr_Clear();
-            return NONE;
-        }
         return FAILED;
     }
-    /* the call id: empty or digits */
+    /* kind, src, mode, call id, context...: the call id empty or digits */
+    if (PyList_GET_SIZE(fields) < 4) {
+        Py_DECREF(fields);
+        return NONE;
+    }
     Py_ssize_t id_len;
     const char *id = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(fields, 3), &id_len);
     if (id == NULL) {
