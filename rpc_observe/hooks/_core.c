@@ -383,7 +383,6 @@ static struct {
     PyObject *fold_message, *fold_split, *fold_finished;  /* the metrics' fold functions, first in each record */
     PyObject *remote_exception;  /* torch's RemoteException type */
     PyObject *python_udf;  /* torch's PythonUDF type */
-    PyObject *incoming_udf;  /* pickler._IncomingUDF */
     PyObject *request_cells;  /* pickler._request_cells(runtime, func, args) */
     PyObject *finish_call;  /* pickler._finish_echoed(call, obj, end_ns, callee_ns): the reference ending */
     PyObject *not_handled;  /* what `handle` returns for the general path */
@@ -456,24 +455,22 @@ clock_ns(clockid_t id)
 
 PyDoc_STRVAR(configure_doc,
 "configure(in_flight, finished_append, fold_message, fold_split, fold_finished, remote_exception, python_udf,\n"
-"          incoming_udf, request_cells, finish_call, not_handled, time_ns, local, next_id, pending_replies,\n"
-"          max_in_flight, /)\n--\n\n"
+"          request_cells, finish_call, not_handled, time_ns, local, next_id, pending_replies, max_in_flight, /)\n--\n\n"
 "Hands the hot paths their tables and functions (pickler.py calls it once, at import).");
 
 static PyObject *
 configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject **slots[] = {&refs.in_flight, &refs.finished_append, &refs.fold_message, &refs.fold_split,
-                          &refs.fold_finished, &refs.remote_exception, &refs.python_udf, &refs.incoming_udf,
+                          &refs.fold_finished, &refs.remote_exception, &refs.python_udf,
                           &refs.request_cells, &refs.finish_call, &refs.not_handled, &refs.time_ns, &refs.local,
                           &refs.next_id, &refs.pending_replies};
     Py_ssize_t count = (Py_ssize_t)(sizeof(slots) / sizeof(slots[0]));
     if (nargs != count + 1) {
-        PyErr_SetString(PyExc_TypeError, "configure takes 16 arguments");
+        PyErr_SetString(PyExc_TypeError, "configure takes 15 arguments");
         return NULL;
     }
-    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyType_Check(args[7]) ||
-        !PyDict_Check(args[14])) {
+    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyDict_Check(args[13])) {
         PyErr_SetString(PyExc_TypeError, "configure: in_flight and pending_replies must be dicts, the classes types");
         return NULL;
     }
@@ -481,7 +478,7 @@ configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (max_in_flight == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    int native = is_time_function(args[11], "time_ns");
+    int native = is_time_function(args[10], "time_ns");
     if (native < 0) {
         return NULL;
     }
@@ -720,16 +717,44 @@ done:
     return result;
 }
 
-/* A request with a valid trailer: the UDF _run_function gets, with the caller's fields (pickler.py, line by line). */
+/* The request this thread unpickled last, for the `_run_function` that follows it: torch runs a request's UDF
+ * right after unpickling it, on the same thread, in the same callback (server.py keys its per-thread tables the
+ * same way). Where Python makes an `_IncomingUDF` that carries the caller's fields and the unpickling's start (an
+ * object and its dict per request), the C path keeps them here, with the UDF object torch got, which `run_start`
+ * compares by identity: held (a strong reference) until then, so that the address cannot be another object's. A
+ * request whose UDF torch never runs (a failure between the two) is held until the next one on this thread. */
+static __thread struct {
+    PyObject *udf, *fields;
+    double start;
+} incoming;
+
+PyDoc_STRVAR(take_incoming_doc,
+"take_incoming(, /)\n--\n\n"
+"The request this thread unpickled last and has not run yet, taken: (the UDF torch got, the caller's fields, the\n"
+"unpickling's start), or None (for tests: _run_function takes it where it runs).");
+
+static PyObject *
+take_incoming(PyObject *module, PyObject *unused)
+{
+    if (incoming.udf == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *kept = Py_BuildValue("(NNd)", incoming.udf, incoming.fields, incoming.start);  /* steals both */
+    incoming.udf = incoming.fields = NULL;
+    return kept;
+}
+
+/* A request with a valid trailer: its fields kept for _run_function, its message record (pickler.py, line by line;
+ * the UDF torch gets is its own). */
 static PyObject *
 take_request(PyObject *runtime, PyObject *obj, PyObject *tensors, double start, double seconds, trailer_view *t)
 {
-    PyObject *args = NULL, *udf = NULL, *started = NULL, *metrics = NULL, *table = NULL, *cells = NULL;
-    PyObject *record = NULL, *result = NULL;
-    if ((args = PyTuple_Pack(1, obj)) == NULL ||
-        (udf = PyTuple_Type.tp_new((PyTypeObject *)refs.incoming_udf, args, NULL)) == NULL ||
-        PyObject_SetAttr(udf, s_fields, t->fields) < 0 || (started = PyFloat_FromDouble(start)) == NULL ||
-        PyObject_SetAttr(udf, s_start, started) < 0 || (metrics = GET(runtime, s_metrics)) == NULL) {
+    PyObject *udf = obj, *metrics = NULL, *table = NULL, *cells = NULL, *record = NULL, *result = NULL;
+    PyObject *held_udf = incoming.udf, *held_fields = incoming.fields;  /* released once the new ones are in */
+    incoming.udf = Py_NewRef(obj), incoming.fields = Py_NewRef(t->fields), incoming.start = start;
+    Py_XDECREF(held_udf);
+    Py_XDECREF(held_fields);
+    if ((metrics = GET(runtime, s_metrics)) == NULL) {
         goto done;
     }
     if (metrics != Py_None) {
@@ -764,9 +789,6 @@ take_request(PyObject *runtime, PyObject *obj, PyObject *tensors, double start, 
     }
     result = Py_NewRef(udf);
 done:
-    Py_XDECREF(args);
-    Py_XDECREF(udf);
-    Py_XDECREF(started);
     Py_XDECREF(metrics);
     Py_XDECREF(table);
     Py_XDECREF(cells);
@@ -971,7 +993,7 @@ static struct {
     PyObject *serving;  /* calls.serving */
     PyObject *proxies;  /* naming.PROXY_FUNCTIONS */
     PyObject *site_of;  /* server._site_of(runtime, python_udf, fields): the general lookup */
-    PyObject *end_other;  /* server._end_other(runtime, site, start_ns, span, tid, result, python_udf, fields) */
+    PyObject *end_other;  /* server._end_other(runtime, site, start_ns, span, tid, result, fields, request_start) */
     PyObject *fold_served;
     PyObject *native_id;  /* threading.get_native_id */
     PyObject *unknown;  /* "unknown" */
@@ -1084,6 +1106,7 @@ typedef struct {
     PyObject *fields, *site, *span, *token, *tracer, *thread, *outer;
     PyObject *span_serving, *span_outer;  /* Tracer.attach without a TracerProvider, inline: its table, what it held */
     long long start_ns;
+    double request_start;  /* perf_counter() when the request's unpickling started; 0.0 if not known */
     int tid;  /* a profiler is armed: the run ends through Serving.finish */
     int served;  /* this run is in the serving table */
 } run_state;
@@ -1582,8 +1605,25 @@ done:
 static int
 run_start(PyObject *runtime, PyObject *udf, run_state *r)
 {
-    r->fields = PyObject_GetAttr(udf, s_fields);  /* the caller's trailer, set by the pickler */
-    if (r->fields == NULL) {
+    if (incoming.udf != NULL && incoming.udf == udf) {  /* the request this thread just unpickled */
+        PyObject *held = incoming.udf;
+        r->fields = incoming.fields, r->request_start = incoming.start;
+        incoming.udf = incoming.fields = NULL;
+        Py_DECREF(held);  /* torch holds it too: never the last reference */
+    }
+    else if ((r->fields = PyObject_GetAttr(udf, s_fields)) != NULL) {  /* an _IncomingUDF of the Python path */
+        PyObject *start = PyObject_GetAttr(udf, s_start);  /* getattr(python_udf, "rpc_observe_start", 0.0) */
+        if (start == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            start = PyFloat_FromDouble(0.0);
+        }
+        r->request_start = start != NULL ? PyFloat_AsDouble(start) : -1.0;
+        Py_XDECREF(start);
+        if (r->request_start == -1.0 && PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    else {  /* no trailer (a peer without rpc_observe), or a request unpickled elsewhere */
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
             return -1;
         }
@@ -1691,12 +1731,13 @@ run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
     }
     if ((async_run && PyObject_HasAttr(result, s_add_done_callback)) ||
         Py_IS_TYPE(result, (PyTypeObject *)refs.remote_exception) || r->tid) {
-        PyObject *start = PyLong_FromLongLong(r->start_ns);
-        PyObject *done = start != NULL
+        PyObject *start = PyLong_FromLongLong(r->start_ns), *request_start = PyFloat_FromDouble(r->request_start);
+        PyObject *done = start != NULL && request_start != NULL
             ? PyObject_CallFunctionObjArgs(hook_refs.end_other, runtime, r->site, start, r->span, r->tid ? Py_True
-                                           : Py_False, result, udf, r->fields, NULL)
+                                           : Py_False, result, r->fields, request_start, NULL)
             : NULL;
         Py_XDECREF(start);
+        Py_XDECREF(request_start);
         Py_XDECREF(done);
         return done != NULL ? 0 : -1;
     }
@@ -1733,19 +1774,7 @@ run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
     }
     PyObject *pending;
     if (r->fields != Py_None) {
-        PyObject *request_start = PyObject_GetAttr(udf, s_start);
-        if (request_start == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-                return -1;
-            }
-            PyErr_Clear();
-            request_start = PyFloat_FromDouble(0.0);
-            if (request_start == NULL) {
-                return -1;
-            }
-        }
-        pending = PyTuple_Pack(3, r->site, PyList_GET_ITEM(r->fields, 3), request_start);
-        Py_DECREF(request_start);
+        pending = Py_BuildValue("(OOd)", r->site, PyList_GET_ITEM(r->fields, 3), r->request_start);
     }
     else {
         pending = Py_BuildValue("(OOd)", r->site, s_empty, 0.0);
@@ -2872,6 +2901,7 @@ static PyMethodDef core_methods[] = {
     {"configure_spans", (PyCFunction)(void (*)(void))configure_spans, METH_FASTCALL, configure_spans_doc},
     {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},
     {"fold", (PyCFunction)(void (*)(void))fold, METH_FASTCALL, fold_doc},
+    {"take_incoming", take_incoming, METH_NOARGS, take_incoming_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},
     {NULL, NULL, 0, NULL},

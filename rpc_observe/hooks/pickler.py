@@ -136,7 +136,8 @@ def _message_cells(runtime: Runtime, direction: str, message: str, method: str =
 
 
 class _IncomingUDF(PythonUDF):
-    """A PythonUDF that also carries the caller's trailer fields to `_run_function`."""
+    """A PythonUDF that also carries the caller's trailer fields to `_run_function` (the Python path; the C core
+    keeps them per thread instead, without an object: `incoming` in hooks/_core.c)."""
 
     rpc_observe_fields: list[str]
     rpc_observe_start: float  # perf_counter() when its unpickling started
@@ -169,7 +170,7 @@ def configure_core(time_ns: Callable[[], int], perf_counter: Callable[[], float]
     """Hands the C hot paths the tables and functions they use, and their clocks (a test's, in tests)."""
     if _core is not None:
         _core.configure(_in_flight, _finished_append, fold_message, fold_split, fold_finished, RemoteException,
-                        PythonUDF, _IncomingUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns, _local,
+                        PythonUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns, _local,
                         _next_id, _pending_replies, _MAX_IN_FLIGHT)
         _core.configure_hooks(_runtime, perf_counter, health.internal_error, _on_other_message, _serialize_other)
         _core.configure_fold(fold_message, fold_started, fold_finished, fold_split, fold_served, SIZE_BUCKETS,

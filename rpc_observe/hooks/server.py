@@ -123,7 +123,7 @@ def _site_of(runtime: Runtime, python_udf: Any, fields: list[str] | None) -> Ser
 
 
 def _end_other(runtime: Runtime, site: ServerSite, start_ns: int, span: Any, profiled: bool, result: Any,
-               python_udf: Any, fields: list[str] | None) -> None:
+               fields: list[str] | None, request_start: float) -> None:
     """The end of a run that is not plain (async_execution, failed, or seen by a profiler): the C Hook's way out."""
     tid = _native_id() if profiled else 0
     if site.is_async and hasattr(result, "add_done_callback"):
@@ -132,8 +132,8 @@ def _end_other(runtime: Runtime, site: ServerSite, start_ns: int, span: Any, pro
     error = remote_error(result)
     Serving(runtime, site, start_ns, span, tid).finish(*(error or (None, None)))
     if site.replies:
-        pending_replies[_thread_id()] = ((site, fields[_CALL_ID], getattr(python_udf, "rpc_observe_start", 0.0))
-                                         if fields is not None else (site, "", 0.0))
+        pending_replies[_thread_id()] = ((site, fields[_CALL_ID], request_start) if fields is not None
+                                         else (site, "", 0.0))
 
 
 _core = trailer.core  # the C Hook where built (hooks/_core.c); `_run_function` below is its reference
@@ -196,7 +196,8 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 health.internal_error("server_detach")
         try:
             if (site.is_async and hasattr(result, "add_done_callback")) or type(result) is RemoteException or tid:
-                _end_other(runtime, site, start_ns, span, bool(tid), result, python_udf, fields)
+                _end_other(runtime, site, start_ns, span, bool(tid), result, fields,
+                           getattr(python_udf, "rpc_observe_start", 0.0))
                 return result
             # Serving.finish, inline, for a plain successful run (tests/unit/test_endings.py)
             end_ns = _time_ns()

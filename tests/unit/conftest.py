@@ -4,8 +4,9 @@ opentelemetry-python-contrib's TestBase, and the `tests/` helpers on sys.path.""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,10 @@ def fresh_globals() -> Iterator[None]:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _bootstrap._PostImportFinder)
                         or f in meta_path]
     reset_health()
+    from rpc_observe.hooks import trailer
+
+    if trailer.core is not None:
+        trailer.core.take_incoming()  # a request a test unpickled in C and did not run: not the next test's
 
 
 @pytest.fixture
@@ -83,3 +88,21 @@ def codec(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
         # not pickler's clocks nor tracing's ids: the test's replacements may still be there
         pickler.configure_core(time.time_ns, time.perf_counter)
         server.configure_spans(random.getrandbits)
+
+
+@pytest.fixture
+def kept_request() -> Callable[[Any], tuple[list[str], float] | None]:
+    """What the pickler kept of a request for `_run_function`: (the caller's fields, the unpickling's start), or
+    None. The Python path attaches them to the UDF (an `_IncomingUDF`); the C path keeps them for the thread, with
+    the UDF, and this takes them."""
+    from rpc_observe.hooks import pickler, trailer
+
+    def kept(udf: Any) -> tuple[list[str], float] | None:
+        held = trailer.core.take_incoming() if trailer.core is not None else None
+        if isinstance(udf, pickler._IncomingUDF):
+            return udf.rpc_observe_fields, udf.rpc_observe_start
+        if held is not None and held[0] is udf:
+            return held[1], held[2]
+        return None
+
+    return kept

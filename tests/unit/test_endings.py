@@ -323,7 +323,8 @@ def test_the_c_core_reads_the_time_modules_clocks_as_they_do(world: runtime.Runt
     before = time.perf_counter()
     udf = hook(None, request, [])
     after = time.perf_counter()
-    assert isinstance(udf, pickler._IncomingUDF) and before <= udf.rpc_observe_start <= after
+    kept = trailer.core.take_incoming()
+    assert kept is not None and kept[0] is udf and before <= kept[2] <= after
     if world.metrics is not None:  # the unpickling's seconds, as measured on the same clock
         [message] = [r for r in world.metrics._records if r[0] is fold_message and r[1] is not site.response_cells]
         assert 0.0 <= message[6] <= after - before
@@ -385,3 +386,31 @@ def _metric_state(metrics: Metrics) -> str:
                   sorted((k, [(s.start_ns, s.end_ns, sec) if s else None for s, sec in
                               [(e if e else (None, None)) for e in v]]) for k, v in (f.exemplars or {}).items()))
                  for f in metrics._families])
+
+
+@needs_core
+@pytest.mark.parametrize("result", RESULTS)
+def test_a_request_unpickled_and_run_in_c_is_the_python_one(world: runtime.Runtime, monkeypatch: pytest.MonkeyPatch,
+                                                            result: str) -> None:
+    """A request unpickled, then its UDF run, by the C Hooks (which keep the caller's fields for the thread) and by
+    the Python functions (which attach them to an `_IncomingUDF`), at the same clock readings: the same records,
+    spans and profiler events, and the same pending reply (the echo, and the start the callee's time counts from)."""
+    obj = RESULTS[result]()
+    context = "traceparent=00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    request = b"PICKLE." + trailer.request_trailer(trailer.request_head("worker1", "sync"), 7, context)
+    ways = []
+    for core in (None, trailer.core):
+        for module in (pickler, server):
+            monkeypatch.setattr(module, "_core", core)
+        clock = itertools.chain([START_NS], itertools.repeat(END_NS))
+        monkeypatch.setattr(server, "_time_ns", clock.__next__)
+        monkeypatch.setattr(pickler, "_time_ns", server._time_ns)
+        monkeypatch.setattr(pickler, "_perf_counter", iter([20.0, 20.25]).__next__)
+        pickler.configure_core(lambda: pickler._time_ns(), lambda: pickler._perf_counter())
+        udf = pickler.wrap_deserialize(lambda self, d, t: PythonUDF(noop, (), {}))(None, request, [])
+        assert server.wrap_run_function(lambda python_udf: obj)(udf) is obj
+        pending = calls.pending_replies.pop(pickler._thread_id())
+        ways.append((pending, _effects(world, messages=True)))
+    pickler.configure_core(time.time_ns, time.perf_counter)
+    assert ways[0] == ways[1]
+    assert ways[0][0][1:] == ("7", 20.0) and trailer.core.take_incoming() is None
