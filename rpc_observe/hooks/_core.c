@@ -611,107 +611,8 @@ now_ns(void)
     return ns;
 }
 
-/* The slotted classes the hot paths read and write per call (calls.Call, client.ClientSite, server.ServerSite:
- * `configure_slots`): their slots reached at the offsets the class declares, without the attribute protocol (a
- * type lookup and a descriptor call each). Only an instance of exactly such a class, and a slot that is set, is
- * read this way; anything else goes through PyObject_GetAttr (and its AttributeError). */
-#define SLOTTED_TYPES 3
-#define MAX_SLOTS 16
-static struct {
-    PyTypeObject *type;  /* strong */
-    int count;
-    PyObject *names[MAX_SLOTS];  /* interned: compared by identity with the interned names below */
-    Py_ssize_t offsets[MAX_SLOTS];
-} slotted[SLOTTED_TYPES];
-
-static PyObject **
-slot_of(PyObject *obj, PyObject *name)
-{
-    PyTypeObject *type = Py_TYPE(obj);
-    for (int t = 0; t < SLOTTED_TYPES; t++) {
-        if (slotted[t].type == type) {
-            for (int i = 0; i < slotted[t].count; i++) {
-                if (slotted[t].names[i] == name) {
-                    return (PyObject **)((char *)obj + slotted[t].offsets[i]);
-                }
-            }
-            return NULL;
-        }
-    }
-    return NULL;
-}
-
-/* getattr(obj, name): a new reference, or NULL with the error. */
-static PyObject *
-get_attr(PyObject *obj, PyObject *name)
-{
-    PyObject **slot = slot_of(obj, name);
-    return slot != NULL && *slot != NULL ? Py_NewRef(*slot) : PyObject_GetAttr(obj, name);
-}
-
-/* setattr(obj, name, value), as a member descriptor sets a slot. */
-static int
-set_attr(PyObject *obj, PyObject *name, PyObject *value)
-{
-    PyObject **slot = slot_of(obj, name);
-    if (slot == NULL) {
-        return PyObject_SetAttr(obj, name, value);
-    }
-    PyObject *old = *slot;
-    *slot = Py_NewRef(value);
-    Py_XDECREF(old);
-    return 0;
-}
-
-PyDoc_STRVAR(configure_slots_doc,
-"configure_slots(call_type, client_site_type, server_site_type, /)\n--\n\n"
-"Hands the hot paths the slotted classes whose slots they read and write directly (client.py calls it once).");
-
-static PyObject *
-configure_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != SLOTTED_TYPES) {
-        PyErr_SetString(PyExc_TypeError, "configure_slots takes 3 types");
-        return NULL;
-    }
-    for (Py_ssize_t t = 0; t < nargs; t++) {  /* every check first: a refused call changes nothing */
-        PyTypeObject *type = (PyTypeObject *)args[t];
-        int count = 0, plain = PyType_Check(args[t]) && type->tp_getattro == PyObject_GenericGetAttr &&
-                              type->tp_setattro == PyObject_GenericSetAttr && type->tp_members != NULL;
-        for (PyMemberDef *m = plain ? type->tp_members : NULL; m != NULL && m->name != NULL; m++, count++) {
-            plain = plain && count < MAX_SLOTS && m->type == T_OBJECT_EX && !(m->flags & READONLY);
-        }
-        if (!plain || count == 0) {
-            PyErr_SetString(PyExc_TypeError, "configure_slots: each must be a class with __slots__ (at most 16), "
-                                             "the plain attribute protocol and nothing else");
-            return NULL;
-        }
-    }
-    for (Py_ssize_t t = 0; t < nargs; t++) {
-        PyTypeObject *type = (PyTypeObject *)args[t];
-        PyObject *names[MAX_SLOTS];
-        int count = 0;
-        for (PyMemberDef *m = type->tp_members; m->name != NULL; m++, count++) {
-            if ((names[count] = PyUnicode_InternFromString(m->name)) == NULL) {
-                while (count-- > 0) {
-                    Py_DECREF(names[count]);
-                }
-                return NULL;
-            }
-            slotted[t].offsets[count] = m->offset;
-        }
-        for (int i = 0; i < slotted[t].count; i++) {
-            Py_CLEAR(slotted[t].names[i]);
-        }
-        memcpy(slotted[t].names, names, sizeof(PyObject *) * (size_t)count);
-        slotted[t].count = count;
-        Py_XSETREF(slotted[t].type, (PyTypeObject *)Py_NewRef(args[t]));
-    }
-    Py_RETURN_NONE;
-}
-
 /* An attribute that must be there; NULL (with the AttributeError) if not. */
-#define GET(obj, name) get_attr((obj), (name))
+#define GET(obj, name) PyObject_GetAttr((obj), (name))
 
 static PyObject *client_context_text(PyObject *tracer, PyObject *span);  /* with the spans, below */
 static int end_span(PyObject *tracer, PyObject *span, long long end_ns);
@@ -968,7 +869,7 @@ send_request(PyObject *runtime, PyObject *call, PyObject *data, PyObject *tensor
         }
     }
     int nonzero = PyObject_IsTrue(call_id);
-    if (nonzero < 0 || (nonzero && (set_attr(call, s_id, call_id) < 0 ||
+    if (nonzero < 0 || (nonzero && (PyObject_SetAttr(call, s_id, call_id) < 0 ||
                                     PyDict_SetItem(refs.in_flight, call_id, call) < 0))) {
         goto done;  /* in the table only once nothing of ours can fail before the request leaves */
     }
@@ -1747,7 +1648,7 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
         return -1;
     }
     if (r->tracer != Py_None) {
-        PyObject *name = get_attr(r->site, s_span_name), *attributes = get_attr(r->site, s_attributes);
+        PyObject *name = PyObject_GetAttr(r->site, s_span_name), *attributes = PyObject_GetAttr(r->site, s_attributes);
         if (name != NULL && attributes != NULL) {
             r->span = start_server_span(r->tracer, name, attributes, r->fields, r->start_ns);
         }
@@ -1819,7 +1720,7 @@ run_detach(run_state *r)
 static int
 run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
 {
-    PyObject *is_async = get_attr(r->site, s_is_async);
+    PyObject *is_async = PyObject_GetAttr(r->site, s_is_async);
     if (is_async == NULL) {
         return -1;
     }
@@ -1844,12 +1745,12 @@ run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
     if (end_ns == -1 && PyErr_Occurred()) {
         return -1;
     }
-    PyObject *record = get_attr(r->site, s_record);
+    PyObject *record = PyObject_GetAttr(r->site, s_record);
     if (record == NULL) {
         return -1;
     }
     if (record != Py_None) {
-        PyObject *cells = get_attr(r->site, s_cells);
+        PyObject *cells = PyObject_GetAttr(r->site, s_cells);
         crecord served = {FOLD_SERVED, cells, r->span, {0}, {(double)(end_ns - r->start_ns) / 1e9, 0.0}};
         int failed = cells == NULL || push_record(record, &served) < 0;
         Py_XDECREF(cells);
@@ -1862,7 +1763,7 @@ run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
     if (r->span != Py_None && end_span(r->tracer, r->span, end_ns) < 0) {
         return -1;
     }
-    PyObject *replies = get_attr(r->site, s_replies);
+    PyObject *replies = PyObject_GetAttr(r->site, s_replies);
     if (replies == NULL) {
         return -1;
     }
@@ -1964,7 +1865,7 @@ set_new(PyObject *obj, PyObject *name, PyObject *value)
     if (value == NULL) {
         return -1;
     }
-    int failed = set_attr(obj, name, value);
+    int failed = PyObject_SetAttr(obj, name, value);
     Py_DECREF(value);
     return failed;
 }
@@ -1988,22 +1889,22 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *tracer = NULL, *profiler = NULL, *record = NULL, *thread = NULL, *start = NULL;
     long long start_ns = now_ns();
-    if ((start_ns == -1 && PyErr_Occurred()) || set_attr(call, s_runtime, runtime) < 0 ||
-        set_attr(call, s_site, site) < 0 || (start = PyLong_FromLongLong(start_ns)) == NULL ||
-        set_attr(call, s_start_ns, start) < 0 || set_new(call, s_id, PyLong_FromLong(0)) < 0 ||
-        set_attr(call, s_future, Py_None) < 0 ||
+    if ((start_ns == -1 && PyErr_Occurred()) || PyObject_SetAttr(call, s_runtime, runtime) < 0 ||
+        PyObject_SetAttr(call, s_site, site) < 0 || (start = PyLong_FromLongLong(start_ns)) == NULL ||
+        PyObject_SetAttr(call, s_start_ns, start) < 0 || set_new(call, s_id, PyLong_FromLong(0)) < 0 ||
+        PyObject_SetAttr(call, s_future, Py_None) < 0 ||
         (thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL ||
-        set_attr(call, s_thread, thread) < 0) {
+        PyObject_SetAttr(call, s_thread, thread) < 0) {
         goto failed;
     }
     /* the UDF this call waits inside, if any */
     PyObject *parent = PyDict_GET_SIZE(hook_refs.serving) ? PyDict_GetItemWithError(hook_refs.serving, thread) : NULL;
-    if ((parent == NULL && PyErr_Occurred()) || set_attr(call, s_parent, parent ? parent : Py_None) < 0 ||
+    if ((parent == NULL && PyErr_Occurred()) || PyObject_SetAttr(call, s_parent, parent ? parent : Py_None) < 0 ||
         (tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL || (profiler = PyObject_GetAttr(runtime, s_profiler)) == NULL) {
         goto failed;
     }
     if (tracer != Py_None) {
-        PyObject *name = get_attr(site, s_span_name), *attributes = get_attr(site, s_attributes);
+        PyObject *name = PyObject_GetAttr(site, s_span_name), *attributes = PyObject_GetAttr(site, s_attributes);
         PyObject *span = name != NULL && attributes != NULL
             ? start_client_span(tracer, name, attributes, start, thread) : NULL;
         Py_XDECREF(name);
@@ -2012,7 +1913,7 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto failed;
         }
     }
-    else if (set_attr(call, s_span, Py_None) < 0) {
+    else if (PyObject_SetAttr(call, s_span, Py_None) < 0) {
         goto failed;
     }
     if (profiler != Py_None) {
@@ -2023,7 +1924,7 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto failed;
         }
         if (on) {
-            PyObject *key = get_attr(site, s_key);
+            PyObject *key = PyObject_GetAttr(site, s_key);
             rf = key != NULL ? PyObject_CallMethodOneArg(profiler, s_client_start, key) : NULL;
             Py_XDECREF(key);
         }
@@ -2041,14 +1942,14 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto failed;
         }
     }
-    else if (set_attr(call, s_rf, Py_None) < 0) {
+    else if (PyObject_SetAttr(call, s_rf, Py_None) < 0) {
         goto failed;
     }
-    if ((record = get_attr(site, s_record)) == NULL) {
+    if ((record = PyObject_GetAttr(site, s_record)) == NULL) {
         goto failed;
     }
     if (record != Py_None) {
-        PyObject *started = get_attr(site, s_started);
+        PyObject *started = PyObject_GetAttr(site, s_started);
         PyObject *done = started != NULL ? PyObject_CallOneArg(record, started) : NULL;
         Py_XDECREF(started);
         if (done == NULL) {
@@ -2174,11 +2075,11 @@ invoke_rpc_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t nar
         return NULL;
     }
     /* its echoed response ends it (the common case, inline), else _after_invoke watches the future */
-    PyObject *id = get_attr(call, s_id), *rf = id != NULL ? get_attr(call, s_rf) : NULL;
+    PyObject *id = PyObject_GetAttr(call, s_id), *rf = id != NULL ? PyObject_GetAttr(call, s_rf) : NULL;
     int echoed = rf != NULL ? PyObject_IsTrue(id) : -1;
     PyObject *result = NULL;
     if (echoed > 0 && rf == Py_None) {
-        result = set_attr(call, s_future, future) < 0 ? NULL : Py_NewRef(future);
+        result = PyObject_SetAttr(call, s_future, future) < 0 ? NULL : Py_NewRef(future);
     }
     else if (echoed >= 0) {
         result = PyObject_CallFunctionObjArgs(invoke_refs.after_invoke, call, future, args[2], NULL);
@@ -3001,7 +2902,6 @@ static PyMethodDef core_methods[] = {
     {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},
     {"fold", (PyCFunction)(void (*)(void))fold, METH_FASTCALL, fold_doc},
     {"take_incoming", take_incoming, METH_NOARGS, take_incoming_doc},
-    {"configure_slots", (PyCFunction)(void (*)(void))configure_slots, METH_FASTCALL, configure_slots_doc},
     {"request_trailer", (PyCFunction)(void (*)(void))request_trailer, METH_FASTCALL, request_trailer_doc},
     {"response_trailer", (PyCFunction)(void (*)(void))response_trailer, METH_FASTCALL, response_trailer_doc},
     {NULL, NULL, 0, NULL},

@@ -23,7 +23,6 @@ from ..telemetry.metrics import Cell, ClientCells, MessageCells, Record, Started
 from . import trailer
 from .calls import MAX_IN_FLIGHT, Call, end_raised, future_error, in_flight, local, next_id
 from .naming import helper_target, is_internal, is_proxy, method_name, profiling_key, proxy_method, span_attributes
-from .server import ServerSite
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
@@ -220,7 +219,6 @@ def _after_invoke(call: Call, future: Any, rpc_type: Any) -> Any:
 _core = trailer.core  # the C Hook where built (hooks/_core.c); `wrap_invoke_rpc`'s function is its reference
 if _core is not None:
     _core.configure_invoke(Call, _begin, end_raised, _after_invoke, _profiler_enabled, threading.get_native_id)
-    _core.configure_slots(Call, ClientSite, ServerSite)
 
 
 def wrap_remote(original: Callable[..., Any]) -> Callable[..., Any]:

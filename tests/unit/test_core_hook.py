@@ -146,9 +146,8 @@ def test_run_function_hook_counts_its_own_errors(metrics_runtime: runtime.Runtim
         health.internal_errors.clear()
 
 
-@pytest.mark.parametrize("queue", ["deque", "records"])
 @pytest.mark.parametrize("spans", [False, True], ids=["metrics", "metrics+spans"])
-def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool, queue: str) -> None:
+def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool) -> None:
     """A whole RPC through the four C paths (request out, request in, the UDF run, response out and in), 10,000
     times: every object they make is freed again (a reference kept per call would be a leak in every job)."""
     import gc
@@ -164,9 +163,6 @@ def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool, queue: st
                        "RPC_OBSERVE_PROFILER_EVENTS": "0", "RPC_OBSERVE_METRICS": "0"})
     rt = runtime.Runtime(cfg, "worker0", 0)
     rt.metrics = Metrics("worker0", 100)
-    if queue == "records":  # the C queue, as under the hooks: records pushed without tuples, drained as tuples
-        rt.metrics.use_queue(core.Records())
-        rt.metrics.fold_records = core.fold
     rt.tracer = tracing.Tracer(cfg, []) if spans else None
     runtime.current = rt
     try:
@@ -187,7 +183,7 @@ def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool, queue: st
             assert response_in(None, response, tensors) is result
 
         def drained() -> int:
-            rt.metrics.drain()
+            rt.metrics._records.clear()
             if rt.tracer is not None:
                 rt.tracer._queue.clear()
             calls.finished.clear()
@@ -240,24 +236,3 @@ def test_invoke_rpc_hook_hands_back_torch_futures_and_errors(metrics_runtime: ru
     assert raised.value is error and calls.finished[-1][4] == "ConnectionError"
     assert getattr(calls.local, "call", None) is None and health.internal_errors == {}
     calls.finished.clear()
-
-
-def test_slotted_classes_are_refused_unless_plain() -> None:
-    """`configure_slots` takes only classes whose slots a member descriptor would read and write as the C core does;
-    a refused call leaves the configuration as it was (the endings' tests then still hold C to Python)."""
-    from rpc_observe.hooks import server
-
-    class NoSlots:
-        pass
-
-    class Guarded:
-        __slots__ = ("a",)
-
-        def __getattribute__(self, name: str) -> Any:
-            return 1
-
-    for bad in ([NoSlots, client.ClientSite, server.ServerSite], [calls.Call, Guarded, server.ServerSite],
-                [calls.Call, client.ClientSite, 3], [calls.Call]):
-        with pytest.raises(TypeError):
-            core.configure_slots(*bad)
-    core.configure_slots(calls.Call, client.ClientSite, server.ServerSite)
