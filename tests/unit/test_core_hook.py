@@ -146,8 +146,9 @@ def test_run_function_hook_counts_its_own_errors(metrics_runtime: runtime.Runtim
         health.internal_errors.clear()
 
 
+@pytest.mark.parametrize("queue", ["deque", "records"])
 @pytest.mark.parametrize("spans", [False, True], ids=["metrics", "metrics+spans"])
-def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool) -> None:
+def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool, queue: str) -> None:
     """A whole RPC through the four C paths (request out, request in, the UDF run, response out and in), 10,000
     times: every object they make is freed again (a reference kept per call would be a leak in every job)."""
     import gc
@@ -163,6 +164,9 @@ def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool) -> None:
                        "RPC_OBSERVE_PROFILER_EVENTS": "0", "RPC_OBSERVE_METRICS": "0"})
     rt = runtime.Runtime(cfg, "worker0", 0)
     rt.metrics = Metrics("worker0", 100)
+    if queue == "records":  # the C queue, as under the hooks: records pushed without tuples, drained as tuples
+        rt.metrics.use_queue(core.Records())
+        rt.metrics.fold_records = core.fold
     rt.tracer = tracing.Tracer(cfg, []) if spans else None
     runtime.current = rt
     try:
@@ -183,7 +187,7 @@ def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool) -> None:
             assert response_in(None, response, tensors) is result
 
         def drained() -> int:
-            rt.metrics._records.clear()
+            rt.metrics.drain()
             if rt.tracer is not None:
                 rt.tracer._queue.clear()
             calls.finished.clear()
