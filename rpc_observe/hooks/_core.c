@@ -729,7 +729,7 @@ static __thread struct {
 } incoming;
 
 PyDoc_STRVAR(take_incoming_doc,
-"take_incoming(, /)\n--\n\n"
+"take_incoming()\n--\n\n"
 "The request this thread unpickled last and has not run yet, taken: (the UDF torch got, the caller's fields, the\n"
 "unpickling's start), or None (for tests: _run_function takes it where it runs).");
 
@@ -749,7 +749,7 @@ take_incoming(PyObject *module, PyObject *unused)
 static PyObject *
 take_request(PyObject *runtime, PyObject *obj, PyObject *tensors, double start, double seconds, trailer_view *t)
 {
-    PyObject *udf = obj, *metrics = NULL, *table = NULL, *cells = NULL, *record = NULL, *result = NULL;
+    PyObject *metrics = NULL, *table = NULL, *cells = NULL, *record = NULL, *result = NULL;
     PyObject *held_udf = incoming.udf, *held_fields = incoming.fields;  /* released once the new ones are in */
     incoming.udf = Py_NewRef(obj), incoming.fields = Py_NewRef(t->fields), incoming.start = start;
     Py_XDECREF(held_udf);
@@ -758,11 +758,11 @@ take_request(PyObject *runtime, PyObject *obj, PyObject *tensors, double start, 
         goto done;
     }
     if (metrics != Py_None) {
-        if (!PyTuple_Check(udf) || PyTuple_GET_SIZE(udf) < 2) {
+        if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) < 2) {
             PyErr_SetString(PyExc_TypeError, "a PythonUDF without func and args");
             goto done;
         }
-        PyObject *func = PyTuple_GET_ITEM(udf, 0);
+        PyObject *func = PyTuple_GET_ITEM(obj, 0);
         if ((table = GET(runtime, s_request_cells_attr)) == NULL) {
             goto done;
         }
@@ -774,7 +774,7 @@ take_request(PyObject *runtime, PyObject *obj, PyObject *tensors, double start, 
                 }
                 PyErr_Clear();
             }
-            cells = PyObject_CallFunctionObjArgs(refs.request_cells, runtime, func, PyTuple_GET_ITEM(udf, 1), NULL);
+            cells = PyObject_CallFunctionObjArgs(refs.request_cells, runtime, func, PyTuple_GET_ITEM(obj, 1), NULL);
             if (cells == NULL) {
                 goto done;
             }
@@ -787,7 +787,7 @@ take_request(PyObject *runtime, PyObject *obj, PyObject *tensors, double start, 
             goto done;
         }
     }
-    result = Py_NewRef(udf);
+    result = Py_NewRef(obj);
 done:
     Py_XDECREF(metrics);
     Py_XDECREF(table);
@@ -1718,7 +1718,7 @@ run_detach(run_state *r)
 
 /* server._run_function's end of a plain successful run (Serving.finish, inline), and the response's echo. */
 static int
-run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
+run_end(PyObject *runtime, PyObject *result, run_state *r)
 {
     PyObject *is_async = PyObject_GetAttr(r->site, s_is_async);
     if (is_async == NULL) {
@@ -1772,13 +1772,9 @@ run_end(PyObject *runtime, PyObject *udf, PyObject *result, run_state *r)
     if (reply <= 0) {
         return reply;
     }
-    PyObject *pending;
-    if (r->fields != Py_None) {
-        pending = Py_BuildValue("(OOd)", r->site, PyList_GET_ITEM(r->fields, 3), r->request_start);
-    }
-    else {
-        pending = Py_BuildValue("(OOd)", r->site, s_empty, 0.0);
-    }
+    /* (site, the caller's call id or "", the request's start: 0.0 without fields) */
+    PyObject *pending = Py_BuildValue("(OOd)", r->site, r->fields != Py_None ? PyList_GET_ITEM(r->fields, 3) : s_empty,
+                                      r->request_start);
     int failed = pending == NULL || PyDict_SetItem(refs.pending_replies, r->thread, pending) < 0;
     Py_XDECREF(pending);
     return failed ? -1 : 0;
@@ -1816,7 +1812,7 @@ run_function_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t n
         run_state_clear(&r);
         return NULL;
     }
-    if (run_end(runtime, udf, result, &r) < 0 && swallow(hook_refs.where_end) < 0) {
+    if (run_end(runtime, result, &r) < 0 && swallow(hook_refs.where_end) < 0) {
         Py_DECREF(result);
         result = NULL;
     }
@@ -2587,7 +2583,7 @@ static PyTypeObject RecordsType;
 static PyObject *
 as_tuple(const crecord *r)
 {
-    PyObject *fold = fold_refs.folds[r->fold < 0 ? 0 : r->fold];
+    PyObject *fold = r->fold >= 0 ? fold_refs.folds[r->fold] : NULL;
     switch (r->fold) {
     case FOLD_MESSAGE:
         return Py_BuildValue("(OOLLLLdOL)", fold, r->cells, r->n[N_PAYLOAD], r->n[N_TENSORS], r->n[N_LOGICAL],
@@ -2668,14 +2664,22 @@ records_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return type->tp_alloc(type, 0);  /* zeroed: empty, no ring yet */
 }
 
-static PyObject *
-records_clear_method(Records *q, PyObject *unused)
+/* Releases every record, one at a time: a release may run Python code that appends. */
+static int
+records_drop(Records *q)
 {
-    while (q->size > 0) {  /* one at a time: a release may run Python code that appends */
+    while (q->size > 0) {
         crecord r = q->ring[q->head];
         q->head = (q->head + 1) & (q->capacity - 1), q->size--;
         crecord_clear(&r);
     }
+    return 0;
+}
+
+static PyObject *
+records_clear(Records *q, PyObject *unused)
+{
+    records_drop(q);
     Py_RETURN_NONE;
 }
 
@@ -2683,8 +2687,7 @@ static void
 records_dealloc(Records *q)
 {
     PyObject_GC_UnTrack(q);
-    PyObject *done = records_clear_method(q, NULL);
-    Py_XDECREF(done);
+    records_drop(q);
     PyMem_Free(q->ring);
     Py_TYPE(q)->tp_free((PyObject *)q);
 }
@@ -2697,14 +2700,6 @@ records_traverse(Records *q, visitproc visit, void *arg)
         Py_VISIT(r->cells);
         Py_VISIT(r->other);
     }
-    return 0;
-}
-
-static int
-records_tp_clear(Records *q)
-{
-    PyObject *done = records_clear_method(q, NULL);
-    Py_XDECREF(done);
     return 0;
 }
 
@@ -2754,7 +2749,7 @@ records_iter(Records *q)
 static PyMethodDef records_methods[] = {
     {"append", (PyCFunction)records_append, METH_O, "Queues a record (a tuple of metrics.py's shapes)."},
     {"popleft", (PyCFunction)records_popleft, METH_NOARGS, "The oldest record, as metrics.py's tuple, taken out."},
-    {"clear", (PyCFunction)records_clear_method, METH_NOARGS, "Drops every record."},
+    {"clear", (PyCFunction)records_clear, METH_NOARGS, "Drops every record."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2770,7 +2765,7 @@ static PyTypeObject RecordsType = {
     .tp_new = records_new,
     .tp_dealloc = (destructor)records_dealloc,
     .tp_traverse = (traverseproc)records_traverse,
-    .tp_clear = (inquiry)records_tp_clear,
+    .tp_clear = (inquiry)records_drop,
     .tp_iter = (getiterfunc)records_iter,
     .tp_as_sequence = &records_as_sequence,
     .tp_methods = records_methods,
