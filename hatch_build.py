@@ -1,6 +1,6 @@
 """Builds the C modules into the wheel: the per-call core (rpc_observe/hooks/_core.c), the merge's
-C loops (rpc_observe/merge/_speedups.c) and the flight recorder's stack reader
-(rpc_observe/hooks/_stacks.c).
+C loops (rpc_observe/merge/_speedups.c), the flight recorder's stack reader
+(rpc_observe/hooks/_stacks.c) and the span file exporter's encoding (rpc_observe/telemetry/_spanjson.c).
 
 Where no C compiler works, the wheel is built without them, with one message each: the
 pickler and UDF hooks run their Python references (more CPU per RPC), ``rpc-observe merge``
@@ -34,6 +34,8 @@ EXTENSIONS = (
     (Path("rpc_observe", "hooks", "_core.c"), "the pickler and UDF hooks run in Python (more CPU per RPC)", None),
     (Path("rpc_observe", "hooks", "_stacks.c"),
      "the flight recorder reads other threads' stacks in Python, only of threads waiting 1 s or more", None),
+    (Path("rpc_observe", "telemetry", "_spanjson.c"), "the span file exporter encodes in Python (more CPU per span)",
+     None),
 )
 
 

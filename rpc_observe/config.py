@@ -94,8 +94,9 @@ class Config:
     # A call in flight or a UDF running longer than this is dumped by the watchdog. 0: off.
     hang_seconds: float = DEFAULT_HANG_SECONDS
     log_correlation: bool = True  # trace ids in logging records (hooks/log_correlation.py)
-    # The C modules (hooks/_core.c, hooks/_stacks.c) where built; RPC_OBSERVE_NO_EXTENSIONS=1: their Python
-    # references. Read where they load (hooks/native.py); here only validated, so that a bad value is said once.
+    # The C modules (hooks/_core.c, hooks/_stacks.c, telemetry/_spanjson.c) where built; RPC_OBSERVE_NO_EXTENSIONS=1:
+    # their Python references. The hooks' are read where they load (hooks/native.py); the span file exporter's
+    # from here (exporters.build_sinks).
     extensions: bool = True
     metrics_exporters: tuple[str, ...] = ("prometheus",)  # "otlp": also pushed (telemetry/otlp_metrics.py)
     metric_export_interval_s: float = 60.0

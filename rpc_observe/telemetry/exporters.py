@@ -9,11 +9,13 @@ configured by the standard `OTEL_EXPORTER_OTLP_*` variables), `console`, or `non
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
+import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import __version__
@@ -50,6 +52,25 @@ _SPAN_JSON = ('{"traceId":"%032x","spanId":"%016x","startTimeUnixNano":"%d","end
 _CHILD_SPAN_JSON = ('{"traceId":"%032x","spanId":"%016x","parentSpanId":"%016x","startTimeUnixNano":"%d",'
                     '"endTimeUnixNano":"%d"%s,"status":{"code":0}}')
 
+# The lines of a batch in C (_spanjson.c, where built): (records, span_json, site_text, head, tail, budget) -> lines
+LinesEncoder = Callable[[Iterable[SpanRecord], Callable, Callable, bytes, bytes, int], list[tuple[bytes, int]]]
+
+
+@functools.cache
+def _native_lines() -> LinesEncoder | None:
+    """_spanjson.lines, handed the span templates above cut at their values; None where it is not built."""
+    try:
+        from . import _spanjson
+    except ImportError:
+        return None
+    value = re.compile(r"%0(?:32|16)x|%d|%s")
+    try:
+        _spanjson.configure(SpanRecord, *(tuple(piece.encode() for piece in value.split(template))
+                                          for template in (_SPAN_JSON, _CHILD_SPAN_JSON)))
+    except (TypeError, ValueError):  # built from another version of this code: the Python encoding
+        return None
+    return _spanjson.lines
+
 
 class OtlpJsonFileSink:
     """Writes each batch as OTLP/HTTP JSON `ExportTraceServiceRequest` lines, in rotated and capped files.
@@ -64,9 +85,12 @@ class OtlpJsonFileSink:
     """
 
     def __init__(
-        self, path: str, resource_attributes: dict, file_bytes: int = 64 << 20, max_bytes: int = 0
+        self, path: str, resource_attributes: dict, file_bytes: int = 64 << 20, max_bytes: int = 0,
+        native: bool = False,
     ) -> None:
+        """`native`: encode batches in C where built (RPC_OBSERVE_NO_EXTENSIONS=1 passes False)."""
         self.path = path
+        self._native_lines = _native_lines() if native else None
         resource = json.dumps({"attributes": otlp_attributes(resource_attributes)}, separators=(",", ":"))
         scope = json.dumps(SCOPE, separators=(",", ":"))
         self._head = (
@@ -167,9 +191,11 @@ class OtlpJsonFileSink:
 
     def _lines(self, records: Iterable[SpanRecord]) -> list[tuple[bytes, int]]:
         """The batch as (line, spans) pairs, each line at most file_bytes unless one span alone is bigger."""
+        budget = self._file_bytes - len(self._head) - len(_TAIL)
+        if self._native_lines is not None:  # the same lines (tests/unit/test_spanjson.py), in a tenth of the time
+            return self._native_lines(records, self._span_json, self._site, self._head, _TAIL, budget)
         # Formatted by hand: json.dumps of a dict per span cost the worker's GIL ~3x more.
         spans = [self._span_json(r).encode() for r in records]
-        budget = self._file_bytes - len(self._head) - len(_TAIL)
         lines, start, size = [], 0, 0
         for i, span in enumerate(spans):
             if i > start and size + 1 + len(span) > budget:
@@ -385,7 +411,8 @@ def build_sinks(config: Config, resource_attributes: dict, spans_dir: str | None
             if spans_dir is not None:
                 path = os.path.join(spans_dir, f"{worker}-{os.getpid()}.jsonl")
                 sinks.append(
-                    OtlpJsonFileSink(path, resource_attributes, config.spans_file_bytes, config.spans_max_bytes)
+                    OtlpJsonFileSink(path, resource_attributes, config.spans_file_bytes, config.spans_max_bytes,
+                                     config.extensions)
                 )
         elif name == "otlp":
             sinks.append(SdkExporterSink(_otlp_exporter(config), resource_attributes))

@@ -63,9 +63,13 @@ def batch() -> list[SpanRecord]:
     ]
 
 
-@pytest.fixture
-def file_sink(tmp_path: Path) -> Iterator[OtlpJsonFileSink]:
-    sink = OtlpJsonFileSink(str(tmp_path / "spans.jsonl"), RESOURCE)
+@pytest.fixture(params=[False, True], ids=["python", "c"])
+def file_sink(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[OtlpJsonFileSink]:
+    """The file sink, encoding in Python (the reference) and in C (telemetry/_spanjson.c) where built."""
+    sink = OtlpJsonFileSink(str(tmp_path / "spans.jsonl"), RESOURCE, native=request.param)
+    if request.param and sink._native_lines is None:
+        sink.shutdown()
+        pytest.skip("telemetry/_spanjson.c is not built here")
     yield sink
     if not sink._file.closed:
         sink.shutdown()
