@@ -179,6 +179,8 @@ def run(args: argparse.Namespace, mode: str, configs: list[str], p: dict[str, An
         texts.append(show(report.saturation_table(res, sat_configs)))
         texts.append(show(report.threads_table("Saturation server CPU per call by thread", res["threads"],
                                                sat_configs)))
+        texts.append(show(report.threads_table(f"Saturation clients' CPU per call by thread, the {res['clients']} "
+                                               "client processes summed", res["client_threads"], sat_configs)))
     if "rounds" in result or "saturation" in result:
         cpu_comparisons(result)
         texts.append(show(report.added_table(result)))

@@ -323,6 +323,7 @@ def run_saturation(configs: list[str], p: dict[str, Any], rotate: bool, tmp: str
     every round, blocks interleaved across configs as in the rounds; CPU per call as in CpuAccount."""
     per_round: dict[str, dict[str, list]] = {c: {m: [] for m in SAT_KEYS} for c in configs}
     threads: dict[str, list] = {c: [] for c in configs}
+    client_threads: dict[str, list] = {c: [] for c in configs}  # the client processes' groups, summed
     raw: dict[str, list] = {c: [] for c in configs}
     rounds_info = []
     for r in range(p["sat_rounds"]):
@@ -354,6 +355,12 @@ def run_saturation(configs: list[str], p: dict[str, Any], rotate: bool, tmp: str
                 names = [thread_names(g, w) for w in g.workers]
                 cpu[c] = acct[c].finish(before[c], after[c], names)
                 threads[c].append(cpu[c]["sat_groups"][g.workers.index(g.server)])
+                clients: dict[str, float] = {}
+                for i, groups_of in enumerate(cpu[c]["sat_groups"]):
+                    if i != g.workers.index(g.server):
+                        for k, v in groups_of.items():
+                            clients[k] = clients.get(k, 0.0) + v
+                client_threads[c].append(clients)
         finally:
             kill_all(list(groups.values()))
         for c in configs:
@@ -372,8 +379,9 @@ def run_saturation(configs: list[str], p: dict[str, Any], rotate: bool, tmp: str
         line = "  ".join(f"{c}:{per_round[c]['sat_rate'][-1]:.0f}/s/{per_round[c]['sat_server_cpu'][-1]:.0f}us"
                          for c in configs)
         print(f"saturation round {r + 1}/{p['sat_rounds']} ({info['elapsed_s']:.0f}s): {line}", flush=True)
-    result: dict[str, Any] = {"per_round": per_round, "threads": threads, "raw": raw, "rounds_info": rounds_info,
-                              "clients": SAT_CLIENTS, "threads_per_client": SAT_THREADS,
+    result: dict[str, Any] = {"per_round": per_round, "threads": threads, "client_threads": client_threads,
+                              "raw": raw, "rounds_info": rounds_info, "clients": SAT_CLIENTS,
+                              "threads_per_client": SAT_THREADS,
                               **summarise_rounds(per_round, configs, SAT_KEYS)}
     result["targets"] = evaluate_targets(SAT_TARGETS, configs, result["ratio_to_a"], result["ratio_to_pooled"])
     return result
