@@ -15,6 +15,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "../_ids.h"
+
 #define MAGIC "\x00rpcobs1"
 #define MAGIC_SIZE 8
 #define LENGTH_SIZE 2
@@ -1472,6 +1474,70 @@ done:
     return span;
 }
 
+/* TRACEPARENT_ENTRY_FORMAT cut at its three values (%032x, %016x, %s), by configure_spans: the inline entry writes
+ * its pieces and the values, with no tuple and no format run. */
+#define TRACEPARENT_PIECE 48
+static struct {
+    char text[4][TRACEPARENT_PIECE];
+    Py_ssize_t len[4];
+    int cut;  /* 0: the format is not of that shape; the entry is always formatted by Python */
+} traceparent_pieces;
+
+static void
+cut_traceparent_format(PyObject *format)
+{
+    static const char *values[3] = {"%032x", "%016x", "%s"};
+    Py_ssize_t size;
+    const char *text = PyUnicode_Check(format) && PyUnicode_IS_ASCII(format) ? PyUnicode_AsUTF8AndSize(format, &size)
+                                                                               : NULL;
+    traceparent_pieces.cut = 0;
+    if (text == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    const char *at = text, *end = text + size;
+    for (int i = 0; i < 4; i++) {
+        const char *value = i < 3 ? strstr(at, values[i]) : end;
+        if (value == NULL || value - at >= TRACEPARENT_PIECE || memchr(at, '%', (size_t)(value - at)) != NULL) {
+            return;
+        }
+        memcpy(traceparent_pieces.text[i], at, (size_t)(value - at));
+        traceparent_pieces.len[i] = value - at;
+        at = i < 3 ? value + strlen(values[i]) : end;
+    }
+    traceparent_pieces.cut = 1;
+}
+
+/* The traceparent entry of these ids and flag, written from the cut format; NULL with no error: not writable here
+ * (an id out of range or not an exact int, a flag not ASCII text), so the caller formats it. */
+static PyObject *
+traceparent_entry(PyObject *trace_id, PyObject *span_id, PyObject *flag)
+{
+    char trace[32], span[16];
+    if (!traceparent_pieces.cut || !PyUnicode_Check(flag) || !PyUnicode_IS_ASCII(flag) ||
+        PyUnicode_GET_LENGTH(flag) > TRACEPARENT_PIECE || !id_hex(trace_id, trace, 16) || !id_hex(span_id, span, 8)) {
+        return NULL;
+    }
+    Py_ssize_t flag_len = PyUnicode_GET_LENGTH(flag), size = 32 + 16 + flag_len;
+    for (int i = 0; i < 4; i++) {
+        size += traceparent_pieces.len[i];
+    }
+    PyObject *entry = PyUnicode_New(size, 127);
+    if (entry == NULL) {
+        return NULL;
+    }
+    char *p = (char *)PyUnicode_1BYTE_DATA(entry);
+    const char *parts[3] = {trace, span, (const char *)PyUnicode_1BYTE_DATA(flag)};
+    const Py_ssize_t lens[3] = {32, 16, flag_len};
+    for (int i = 0; i < 4; i++) {
+        memcpy(p, traceparent_pieces.text[i], (size_t)traceparent_pieces.len[i]), p += traceparent_pieces.len[i];
+        if (i < 3) {
+            memcpy(p, parts[i], (size_t)lens[i]), p += lens[i];
+        }
+    }
+    return entry;
+}
+
 /* tracer.context_text(span): the traceparent entry formatted inline when the propagators are tracecontext/baggage and
  * no baggage is current; else the method. */
 static PyObject *
@@ -1502,8 +1568,12 @@ client_context_text(PyObject *tracer, PyObject *span)
     PyObject *span_id = trace_id != NULL ? PyObject_GetAttr(span, s_span_id_attr) : NULL;
     PyObject *sampled = span_id != NULL ? PyObject_GetAttr(span, s_sampled_attr) : NULL;
     PyObject *flag = sampled != NULL ? PyObject_GetItem(span_refs.flags, sampled) : NULL;
-    PyObject *values = flag != NULL ? PyTuple_Pack(3, trace_id, span_id, flag) : NULL;
-    PyObject *text = values != NULL ? PyUnicode_Format(span_refs.traceparent_format, values) : NULL;
+    PyObject *text = flag != NULL ? traceparent_entry(trace_id, span_id, flag) : NULL;
+    PyObject *values = flag != NULL && text == NULL && !PyErr_Occurred() ? PyTuple_Pack(3, trace_id, span_id, flag)
+                                                                         : NULL;
+    if (values != NULL) {  /* ids or a flag the inline entry does not write: the format itself */
+        text = PyUnicode_Format(span_refs.traceparent_format, values);
+    }
     Py_XDECREF(trace_id);
     Py_XDECREF(span_id);
     Py_XDECREF(sampled);
@@ -1554,6 +1624,7 @@ configure_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < nargs; i++) {
         Py_XSETREF(*slots[i], Py_NewRef(args[i]));
     }
+    cut_traceparent_format(span_refs.traceparent_format);
     Py_RETURN_NONE;
 }
 

@@ -13,6 +13,8 @@
 #include <structmember.h>
 #include <string.h>
 
+#include "../_ids.h"
+
 /* The SpanRecord slots read here, by name (configure() finds their offsets). */
 enum { S_NAME, S_KIND, S_TRACE, S_SPAN, S_PARENT, S_START, S_END, S_ATTRS, S_ERROR, N_SLOTS };
 static const char *slot_names[N_SLOTS] = {"name", "kind", "trace_id", "span_id", "parent_id", "start_ns", "end_ns",
@@ -63,53 +65,6 @@ buf_put(Buf *b, const char *s, Py_ssize_t n)
     memcpy(b->p + b->len, s, n);
     b->len += n;
     return 0;
-}
-
-static const char hex_digits[] = "0123456789abcdef";
-
-/* `bytes` big-endian bytes as 2 * count lower-case hex digits (Python's "%0{2n}x" of a value that fits). */
-static void
-put_hex(char *out, const unsigned char *bytes, int count)
-{
-    for (int i = 0; i < count; i++) {
-        out[2 * i] = hex_digits[bytes[i] >> 4];
-        out[2 * i + 1] = hex_digits[bytes[i] & 15];
-    }
-}
-
-/* An exact int in [0, 2**(8 * count)) as big-endian bytes: 1; anything else: 0 (the Python path formats it). */
-static int
-int_bytes(PyObject *v, unsigned char *out, int count)
-{
-    if (!PyLong_CheckExact(v)) {
-        return 0;
-    }
-    if (count == 8) {
-        unsigned long long u = PyLong_AsUnsignedLongLong(v);
-        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();  /* negative or too big */
-            return 0;
-        }
-        for (int i = 7; i >= 0; i--, u >>= 8) {
-            out[i] = (unsigned char)(u & 0xff);
-        }
-        return 1;
-    }
-#if PY_VERSION_HEX >= 0x030D0000
-    Py_ssize_t needed = PyLong_AsNativeBytes(v, out, count, Py_ASNATIVEBYTES_BIG_ENDIAN |
-                                             Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE);
-    if (needed < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    return needed <= count;
-#else
-    if (_PyLong_AsByteArray((PyLongObject *)v, out, count, 0, 0) < 0) {
-        PyErr_Clear();  /* negative or too big */
-        return 0;
-    }
-    return 1;
-#endif
 }
 
 /* An exact int that fits a long long, as decimal text: its length; 0: the Python path formats it. */
@@ -184,11 +139,10 @@ format_span(Buf *out, PyObject *r, PyObject *site_text, Site *sites, int *site_c
         return 0;
     }
     int child = parent != Py_None && PyObject_IsTrue(parent);  /* exporters.py: `if r.parent_id:` */
-    unsigned char trace[16], span[8], parent_bytes[8];
-    char start[24], end[24];
+    char trace[32], span[16], parent_hex[16], start[24], end[24];
     int start_len, end_len;
-    if (!int_bytes(SLOT(r, S_TRACE), trace, 16) || !int_bytes(SLOT(r, S_SPAN), span, 8) ||
-        (child && !int_bytes(parent, parent_bytes, 8)) || !(start_len = int_text(SLOT(r, S_START), start)) ||
+    if (!id_hex(SLOT(r, S_TRACE), trace, 16) || !id_hex(SLOT(r, S_SPAN), span, 8) ||
+        (child && !id_hex(parent, parent_hex, 8)) || !(start_len = int_text(SLOT(r, S_START), start)) ||
         !(end_len = int_text(SLOT(r, S_END), end))) {
         return 0;
     }
@@ -209,12 +163,12 @@ format_span(Buf *out, PyObject *r, PyObject *site_text, Site *sites, int *site_c
     int piece = 0;
 #define PIECE() (memcpy(p, t->text[piece], t->len[piece]), p += t->len[piece], piece++)
     PIECE();
-    put_hex(p, trace, 16), p += 32;
+    memcpy(p, trace, 32), p += 32;
     PIECE();
-    put_hex(p, span, 8), p += 16;
+    memcpy(p, span, 16), p += 16;
     PIECE();
     if (child) {
-        put_hex(p, parent_bytes, 8), p += 16;
+        memcpy(p, parent_hex, 16), p += 16;
         PIECE();
     }
     memcpy(p, start, start_len), p += start_len;

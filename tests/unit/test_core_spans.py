@@ -260,6 +260,38 @@ def test_the_c_client_span_and_its_context_are_the_tracers(tmp_path: Path, c_ser
         rt.close()
 
 
+@pytest.mark.parametrize("trace_id, span_id, sampled", [
+    (int(TRACE, 16), int(PARENT, 16), True), (1, 1, False), ((1 << 128) - 1, (1 << 64) - 1, True),
+    (1 << 128, 1, True), (1, 1 << 64, True), (-1, 5, True), (5, -1, False), (True, 7, True), (7, 7, 1),
+])
+def test_the_c_traceparent_entry_is_the_format(tmp_path: Path, c_server: None, trace_id: int, span_id: int,
+                                               sampled: Any) -> None:
+    """The request's traceparent entry written inline in C is TRACEPARENT_ENTRY_FORMAT's, for ids at and past
+    the edges of their widths (those the C code does not write go to the format: the same text either way)."""
+    from rpc_observe.hooks.client import ClientSite
+
+    environ = {"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0",
+               "RPC_OBSERVE_METRICS": "0", "OTEL_BSP_SCHEDULE_DELAY": "3600000"}
+    cfg = config.load(environ)
+    rt = runtime.Runtime(cfg, "worker0", 0)
+    rt.tracer = tracing.Tracer(cfg, [])
+    runtime.current = rt
+    try:
+        call = core.new_call(rt, ClientSite(rt, noop, "sync", "worker1"))
+        call.span = tracing.SpanRecord("f", tracing.CLIENT, trace_id, span_id, 0, False, sampled, {}, 1)
+        calls.local.call = call
+        data, _ = pickler.wrap_serialize(lambda self, o: (b"PICKLE.", []))(None, PythonUDF(noop, (), {}))
+        _, fields = trailer.split(data)
+        assert fields is not None
+        expected = propagation.TRACEPARENT_ENTRY_FORMAT % (trace_id, span_id, propagation.FLAGS[sampled])
+        assert fields[trailer.CONTEXT:] == [expected] == [rt.tracer.context_text(call.span)]
+    finally:
+        calls.local.call = None
+        calls.in_flight.clear()
+        runtime.current = None
+        rt.close()
+
+
 def test_a_full_span_queue_drops_and_counts_either_way(tmp_path: Path, c_server: None,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     environ = {"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0",
