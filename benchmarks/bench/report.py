@@ -243,13 +243,14 @@ def git_info() -> dict[str, Any]:
 
 def code_state() -> dict[str, Any]:
     """What the workers started now import: HEAD, and a hash of the working copy of rpc_observe/ (the
-    package is installed editable, so uncommitted edits by others are what runs)."""
+    package is installed editable, so uncommitted edits by others are what runs): its Python and C
+    sources and the C modules built from them, which a change to C alone changes."""
     pkg = os.path.join(ROOT, "rpc_observe")
     digest = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(pkg):
         dirnames.sort()
         for name in sorted(filenames):
-            if name.endswith(".py"):
+            if name.endswith((".py", ".c", ".h", ".so")):
                 path = os.path.join(dirpath, name)
                 digest.update(os.path.relpath(path, pkg).encode())
                 try:
