@@ -476,6 +476,7 @@ def cmd_sat_start(threads: int, **_: Any) -> dict[str, Any]:
 
 def cmd_sat_stop(**_: Any) -> dict[str, Any]:
     _SAT["stop"].set()
+    _ENDED_THREADS.update({str(th.native_id): th.name for th in _SAT["pool"] if th.native_id is not None})
     for th in _SAT["pool"]:
         th.join()
     return {"calls": sum(_SAT["counts"]), "seconds": time.perf_counter() - _SAT["started"],
@@ -487,9 +488,12 @@ def cmd_served(**_: Any) -> dict[str, Any]:
     return {"count": next(_SERVED), "t": time.perf_counter()}
 
 
+_ENDED_THREADS: dict[str, str] = {}  # {native id: name} of the saturation threads, which end before names are read
+
+
 def cmd_threads(**_: Any) -> dict[str, str]:
     """This process's Python threads {native id: name}, to group the per-thread CPU by name."""
-    return python_thread_names()
+    return {**_ENDED_THREADS, **python_thread_names()}
 
 def cmd_ser(n: int, warmup: int, **_: Any) -> dict[str, Any]:
     """rpc_sync time for payloads of many small tensors vs one big tensor (echoed back)."""
