@@ -131,7 +131,15 @@ site_utf8(PyObject *r, PyObject *site_text, Site *sites, int *site_count, Py_ssi
 static int
 format_span(Buf *out, PyObject *r, PyObject *site_text, Site *sites, int *site_count)
 {
-    if (Py_TYPE(r) != span_type || SLOT(r, S_ERROR) != Py_None) {
+    if (Py_TYPE(r) != span_type) {
+        return 0;
+    }
+    for (int i = 0; i < N_SLOTS; i++) {
+        if (SLOT(r, i) == NULL) {  /* a slot never set (a record made without __init__): Python raises */
+            return 0;
+        }
+    }
+    if (SLOT(r, S_ERROR) != Py_None) {
         return 0;
     }
     PyObject *parent = SLOT(r, S_PARENT);
@@ -236,14 +244,16 @@ lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(records); i++) {
-        PyObject *r = PySequence_Fast_GET_ITEM(records, i);
+        /* held: the callbacks are Python code, which could take it out of a list it is only borrowed from */
+        PyObject *r = Py_NewRef(PySequence_Fast_GET_ITEM(records, i));
         one.len = 0;
         int done = format_span(&one, r, site_text, sites, &site_count);
+        PyObject *text = done == 0 ? PyObject_CallOneArg(span_json, r) : NULL;
+        Py_DECREF(r);
         if (done < 0) {
             goto error;
         }
         if (!done) {
-            PyObject *text = PyObject_CallOneArg(span_json, r);
             if (text == NULL) {
                 goto error;
             }

@@ -184,6 +184,32 @@ def test_errors_of_the_callbacks_come_out_as_they_are(sinks: tuple[OtlpJsonFileS
         lines(42, c._span_json, c._site, c._head, exporters._TAIL, 1000)
 
 
+@needs_c
+def test_a_record_with_unset_slots_and_a_batch_emptied_under_it(sinks: tuple[OtlpJsonFileSink, OtlpJsonFileSink]
+                                                                ) -> None:
+    """Records made without __init__ (slots never set) go to the Python path and raise as it does; a callback
+    that empties the batch it is called for ends the batch there, without reading freed records."""
+    c, py = sinks
+    bare = SpanRecord.__new__(SpanRecord)
+    bare.error_type = None  # set (no error), but nothing else is
+    for record in (SpanRecord.__new__(SpanRecord), bare):
+        with pytest.raises(AttributeError):
+            py._lines([record])
+        with pytest.raises(AttributeError):
+            c._lines([record])
+    lines = exporters._native_lines()
+    assert lines is not None
+    batch = [span(error=("E", "m")), span(span_id=2), span(span_id=3)]
+    first = c._span_json(batch[0])
+
+    def emptying(record: SpanRecord) -> str:
+        batch.clear()  # the records are freed but for the one the C code holds
+        return c._span_json(record)
+
+    assert lines(batch, emptying, c._site, c._head, exporters._TAIL, 10_000) == [
+        (c._head + first.encode() + exporters._TAIL, 1)]
+
+
 def test_the_exporter_encodes_in_c_only_where_asked(tmp_path: Path) -> None:
     """RPC_OBSERVE_NO_EXTENSIONS=1 gives config.extensions False, which build_sinks passes on."""
     from rpc_observe.config import load
