@@ -1515,7 +1515,7 @@ traceparent_entry(PyObject *trace_id, PyObject *span_id, PyObject *flag)
 {
     char trace[32], span[16];
     if (!traceparent_pieces.cut || !PyUnicode_Check(flag) || !PyUnicode_IS_ASCII(flag) ||
-        PyUnicode_GET_LENGTH(flag) > TRACEPARENT_PIECE || !id_hex(trace_id, trace, 16) || !id_hex(span_id, span, 8)) {
+        !id_hex(trace_id, trace, 16) || !id_hex(span_id, span, 8)) {
         return NULL;
     }
     Py_ssize_t flag_len = PyUnicode_GET_LENGTH(flag), size = 32 + 16 + flag_len;
