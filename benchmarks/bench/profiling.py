@@ -3,7 +3,7 @@
 1. per no-op RPC: context switches and user/sys CPU of caller and callee (/proc, no tool);
 2. in situ: each rpc_observe wrapper's own time per call, on the thread that runs it
    (pairs c_t, d_t: the worker's self-timer, BENCH_SELF_TIME=1);
-3. perf, if installed: CPU per RPC by shared object, (a) vs (d);
+3. perf, if installed: CPU per RPC by shared object and the symbols that grew most, (a) vs (d);
 4. py-spy, if found: share of samples in rpc_observe functions, (d) caller and callee;
 5. cProfile of the (d) caller's main thread.
 """
@@ -117,6 +117,7 @@ def self_times(pairs: dict[str, Pair], out: dict[str, Any], n: int = 1500, reps:
 # -- 3. perf -------------------------------------------------------------------------------------
 def perf_by_dso(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, out: dict[str, Any]) -> str:
     per_dso: dict[tuple[str, str], dict[str, float]] = {}
+    per_sym: dict[tuple[str, str], dict[str, float]] = {}  # (role, "dso symbol")
     for c in ("a", "d"):
         pr = pairs[c]
         pr.resume()
@@ -140,13 +141,26 @@ def perf_by_dso(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, out
                 if len(parts) == 2 and parts[0].isdigit():
                     # 1000 Hz: one sample is 1000 us of CPU
                     per_dso.setdefault((role, parts[1]), {})[c] = int(parts[0]) * 1000 / calls
+            rep = subprocess.run([perf, "report", "-i", data, "--sort", "dso,sym", "-g", "none", "--stdio",
+                                  "-F", "sample,dso,sym"], capture_output=True, text=True).stdout
+            for line in rep.splitlines():
+                parts = line.split(None, 2)
+                if len(parts) == 3 and parts[0].isdigit():
+                    per_sym.setdefault((role, f"{parts[1]} {parts[2].strip()}"), {})[c] = int(parts[0]) * 1000 / calls
     out["perf_us_per_call"] = {f"{r}|{d}": v for (r, d), v in per_dso.items()}
+    out["perf_sym_us_per_call"] = {f"{r}|{s}": v for (r, s), v in per_sym.items()}
     lines = ["perf (cpu-clock, 1000 Hz) CPU per no-op RPC by shared object, us (a) vs (d):",
              "| process | shared object | (a) | (d) | (d)-(a) |", "|---|---|---|---|---|"]
     for (role, dso), v in sorted(per_dso.items(), key=lambda kv: -(kv[1].get("d", 0) - kv[1].get("a", 0))):
         if max(v.values()) >= 3:
             lines.append(f"| {role} | {dso} | {v.get('a', 0):.0f} | {v.get('d', 0):.0f} | "
                          f"{v.get('d', 0) - v.get('a', 0):+.0f} |")
+    lines += ["", "the 20 symbols whose CPU grew most, us per no-op RPC:",
+              "| process | shared object and symbol | (a) | (d) | (d)-(a) |", "|---|---|---|---|---|"]
+    grown = sorted(per_sym.items(), key=lambda kv: -(kv[1].get("d", 0) - kv[1].get("a", 0)))
+    for (role, sym), v in grown[:20]:
+        lines.append(f"| {role} | {sym} | {v.get('a', 0):.1f} | {v.get('d', 0):.1f} | "
+                     f"{v.get('d', 0) - v.get('a', 0):+.1f} |")
     return "\n".join(lines)
 
 
