@@ -395,8 +395,8 @@ static struct {
     Py_ssize_t max_in_flight;  /* calls.MAX_IN_FLIGHT */
 } refs;
 
-static PyObject *s_site, *s_record, *s_response_cells, *s_received, *s_cells, *s_rf, *s_profiler, *s_armed,
-    *s_start_ns, *s_id, *s_span, *s_callee_ns, *s_tracer, *s_end, *s_metrics, *s_request_cells_attr,
+static PyObject *s_record, *s_response_cells, *s_received, *s_cells, *s_profiler, *s_armed,
+    *s_callee_ns, *s_tracer, *s_end, *s_metrics, *s_request_cells_attr,
     *s_fields, *s_start, *s_nbytes, *s_untyped_storage, *s_numel, *s_element_size, *s_call, *s_context_text,
     *s_echoed, *s_trailer_head, *s_request_cells, *s_sent_bytes;
 
@@ -404,10 +404,9 @@ static int
 intern_names(void)
 {
     struct { PyObject **slot; const char *text; } names[] = {
-        {&s_site, "site"}, {&s_record, "record"}, {&s_response_cells, "response_cells"}, {&s_received, "received"},
-        {&s_cells, "cells"}, {&s_rf, "rf"}, {&s_profiler, "profiler"}, {&s_armed, "armed"},
-        {&s_start_ns, "start_ns"}, {&s_id, "id"}, {&s_span, "span"}, {&s_callee_ns, "callee_ns"},
-        {&s_tracer, "tracer"}, {&s_end, "end"}, {&s_metrics, "metrics"}, {&s_request_cells_attr, "request_cells"},
+        {&s_record, "record"}, {&s_response_cells, "response_cells"}, {&s_received, "received"},
+        {&s_cells, "cells"}, {&s_profiler, "profiler"}, {&s_armed, "armed"},
+        {&s_callee_ns, "callee_ns"}, {&s_tracer, "tracer"}, {&s_end, "end"}, {&s_metrics, "metrics"}, {&s_request_cells_attr, "request_cells"},
         {&s_fields, "rpc_observe_fields"}, {&s_start, "rpc_observe_start"}, {&s_nbytes, "nbytes"},
         {&s_untyped_storage, "untyped_storage"}, {&s_numel, "numel"}, {&s_element_size, "element_size"},
         {&s_call, "call"}, {&s_context_text, "context_text"}, {&s_echoed, "echoed"}, {&s_trailer_head, "trailer_head"},
@@ -613,6 +612,82 @@ now_ns(void)
     return ns;
 }
 
+/* ---- CallBase: the fields of calls.Call in a C struct (calls.Call subclasses it where the core is built) ----
+ * The hot paths read and write them directly: a call made in C creates no int object for its start, thread or
+ * id, and no attribute is looked up through the type. Python sees the same names (members); an object field
+ * never set reads None, as the Python class's fields are all set in __init__. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *runtime, *site, *span, *rf, *future, *parent;
+    long long start_ns, id, tid;
+    unsigned long thread;
+} CallObject;
+
+static PyTypeObject CallBaseType;
+#define AS_CALL(obj) (PyObject_TypeCheck((obj), &CallBaseType) ? (CallObject *)(obj) : NULL)
+/* An object field: a new reference, None if never set. */
+#define CALL_FIELD(call, name) Py_NewRef((call)->name != NULL ? (call)->name : Py_None)
+
+static int
+call_traverse(CallObject *self, visitproc visit, void *arg)
+{
+    /* not the type: subtype_traverse visits a heap subclass (calls.Call) whose base is static */
+    Py_VISIT(self->runtime);
+    Py_VISIT(self->site);
+    Py_VISIT(self->span);
+    Py_VISIT(self->rf);
+    Py_VISIT(self->future);
+    Py_VISIT(self->parent);
+    return 0;
+}
+
+static int
+call_clear(CallObject *self)
+{
+    Py_CLEAR(self->runtime);
+    Py_CLEAR(self->site);
+    Py_CLEAR(self->span);
+    Py_CLEAR(self->rf);
+    Py_CLEAR(self->future);
+    Py_CLEAR(self->parent);
+    return 0;
+}
+
+static void
+call_dealloc(CallObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    call_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef call_members[] = {
+    {"runtime", T_OBJECT, offsetof(CallObject, runtime), 0, "the Runtime that observes the call"},
+    {"site", T_OBJECT, offsetof(CallObject, site), 0, "its ClientSite"},
+    {"span", T_OBJECT, offsetof(CallObject, span), 0, "its CLIENT SpanRecord, or None"},
+    {"rf", T_OBJECT, offsetof(CallObject, rf), 0, "its open profiler event, or None"},
+    {"future", T_OBJECT, offsetof(CallObject, future), 0, "the future the sweep or the wait reads, or None"},
+    {"parent", T_OBJECT, offsetof(CallObject, parent), 0, "the UDF its thread was serving when it began, or None"},
+    {"start_ns", T_LONGLONG, offsetof(CallObject, start_ns), 0, "time.time_ns() at its start"},
+    {"id", T_LONGLONG, offsetof(CallObject, id), 0, "its call id (0: none)"},
+    {"tid", T_LONGLONG, offsetof(CallObject, tid), 0, "the native id of its thread for profiler events (0: none)"},
+    {"thread", T_ULONG, offsetof(CallObject, thread), 0, "threading.get_ident() of the thread that issued it"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject CallBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rpc_observe.hooks._core.CallBase",
+    .tp_doc = "The fields of calls.Call as a C struct (calls.Call is its subclass where the core is built).",
+    .tp_basicsize = sizeof(CallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)call_dealloc,
+    .tp_traverse = (traverseproc)call_traverse,
+    .tp_clear = (inquiry)call_clear,
+    .tp_members = call_members,
+};
+
 /* An attribute that must be there; NULL (with the AttributeError) if not. */
 #define GET(obj, name) PyObject_GetAttr((obj), (name))
 
@@ -625,8 +700,9 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
            trailer_view *t)
 {
     PyObject *call = PyDict_GetItemWithError(refs.in_flight, t->call_id);
-    if (call == NULL) {
-        return PyErr_Occurred() ? NULL : Py_NewRef(refs.not_handled);  /* not in flight (any more) */
+    CallObject *fields = call != NULL ? AS_CALL(call) : NULL;
+    if (fields == NULL) {  /* not in flight (any more), or not a Call: the general path */
+        return PyErr_Occurred() ? NULL : Py_NewRef(refs.not_handled);
     }
     Py_INCREF(call);
     if (PyDict_DelItem(refs.in_flight, t->call_id) < 0) {
@@ -634,14 +710,15 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
         return NULL;
     }
     PyObject *site = NULL, *record = NULL, *cells = NULL, *received = NULL, *rf = NULL, *profiler = NULL;
-    PyObject *armed = NULL, *start = NULL, *id = NULL, *span = NULL, *rec = NULL, *result = NULL, *done = NULL;
+    PyObject *armed = NULL, *span = NULL, *rec = NULL, *result = NULL, *done = NULL;
     long long end_ns = now_ns();
     if (end_ns == -1 && PyErr_Occurred()) {
         Py_DECREF(call);
         return NULL;
     }
     long long callee_ns = t->callee_us >= 0 ? t->callee_us * 1000 : -1;
-    if ((site = GET(call, s_site)) == NULL || (record = GET(site, s_record)) == NULL) {
+    site = CALL_FIELD(fields, site);
+    if ((record = GET(site, s_record)) == NULL) {
         goto done;
     }
     if (record != Py_None) {  /* what came from the peer: pickle, trailer and storages */
@@ -651,7 +728,8 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
         }
         Py_CLEAR(cells);
     }
-    if ((rf = GET(call, s_rf)) == NULL || (profiler = GET(runtime, s_profiler)) == NULL) {
+    rf = CALL_FIELD(fields, rf);
+    if ((profiler = GET(runtime, s_profiler)) == NULL) {
         goto done;
     }
     int profiled = 0;
@@ -668,14 +746,9 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
         goto done;
     }
     /* Call.finish, inline, for a successful call no profiler has seen (tests/unit/test_endings.py). */
-    if ((start = GET(call, s_start_ns)) == NULL || (id = GET(call, s_id)) == NULL || (span = GET(call, s_span)) == NULL) {
-        goto done;
-    }
-    long long start_ns = PyLong_AsLongLong(start);
-    if (start_ns == -1 && PyErr_Occurred()) {
-        goto done;
-    }
-    if ((rec = Py_BuildValue("(OOOLO)", site, id, start, end_ns, Py_None)) == NULL ||
+    long long start_ns = fields->start_ns;
+    span = CALL_FIELD(fields, span);
+    if ((rec = Py_BuildValue("(OOLLO)", site, t->call_id, start_ns, end_ns, Py_None)) == NULL ||
         (done = PyObject_CallOneArg(refs.finished_append, rec)) == NULL) {
         goto done;
     }
@@ -711,8 +784,6 @@ done:
     Py_XDECREF(rf);
     Py_XDECREF(profiler);
     Py_XDECREF(armed);
-    Py_XDECREF(start);
-    Py_XDECREF(id);
     Py_XDECREF(span);
     Py_XDECREF(rec);
     Py_XDECREF(done);
@@ -835,9 +906,12 @@ send_request(PyObject *runtime, PyObject *call, PyObject *data, PyObject *tensor
 {
     PyObject *site = NULL, *span = NULL, *context = NULL, *echoed = NULL, *call_id = NULL, *head = NULL;
     PyObject *message = NULL, *record = NULL, *cells = NULL, *client_cells = NULL, *sent = NULL, *result = NULL;
-    if ((site = GET(call, s_site)) == NULL || (span = GET(call, s_span)) == NULL) {
-        goto done;
+    CallObject *fields = AS_CALL(call);
+    if (fields == NULL) {
+        return Py_NewRef(refs.not_handled);  /* not a Call: the general path */
     }
+    site = CALL_FIELD(fields, site);
+    span = CALL_FIELD(fields, span);
     if (span != Py_None) {
         PyObject *tracer = GET(runtime, s_tracer);
         context = tracer != NULL ? client_context_text(tracer, span) : NULL;
@@ -870,11 +944,11 @@ send_request(PyObject *runtime, PyObject *call, PyObject *data, PyObject *tensor
             goto done;
         }
     }
-    int nonzero = PyObject_IsTrue(call_id);
-    if (nonzero < 0 || (nonzero && (PyObject_SetAttr(call, s_id, call_id) < 0 ||
-                                    PyDict_SetItem(refs.in_flight, call_id, call) < 0))) {
+    long long id = PyLong_AsLongLong(call_id);
+    if ((id == -1 && PyErr_Occurred()) || (id != 0 && PyDict_SetItem(refs.in_flight, call_id, call) < 0)) {
         goto done;  /* in the table only once nothing of ours can fail before the request leaves */
     }
+    fields->id = id;
     result = PyTuple_Pack(2, message, tensors);
 done:
     Py_XDECREF(site);
@@ -1905,15 +1979,14 @@ static struct {
     PyObject *where_start, *where_watch;  /* "client_start", "client_watch" */
 } invoke_refs;
 
-static PyObject *s_runtime, *s_future, *s_thread, *s_parent, *s_tid, *s_start_client, *s_client_start, *s_key,
+static PyObject *s_start_client, *s_client_start, *s_key,
     *s_started, *s_client_sites, *s_value_, *s_args_kw;
 
 static int
 intern_invoke_names(void)
 {
     struct { PyObject **slot; const char *text; } names[] = {
-        {&s_runtime, "runtime"}, {&s_future, "future"}, {&s_thread, "thread"}, {&s_parent, "parent"},
-        {&s_tid, "tid"}, {&s_start_client, "start_client"}, {&s_client_start, "client_start"}, {&s_key, "key"},
+        {&s_start_client, "start_client"}, {&s_client_start, "client_start"}, {&s_key, "key"},
         {&s_started, "started"}, {&s_client_sites, "client_sites"}, {&s_value_, "_value_"}, {&s_args_kw, "args"},
         {&invoke_refs.where_start, "client_start"}, {&invoke_refs.where_watch, "client_watch"},
     };
@@ -1923,18 +1996,6 @@ intern_invoke_names(void)
         }
     }
     return (invoke_refs.empty_tuple == NULL && (invoke_refs.empty_tuple = PyTuple_New(0)) == NULL) ? -1 : 0;
-}
-
-/* Sets `name` of `obj` to a new reference `value` (stolen); -1 if `value` is NULL or the set fails. */
-static int
-set_new(PyObject *obj, PyObject *name, PyObject *value)
-{
-    if (value == NULL) {
-        return -1;
-    }
-    int failed = PyObject_SetAttr(obj, name, value);
-    Py_DECREF(value);
-    return failed;
 }
 
 PyDoc_STRVAR(new_call_doc,
@@ -1949,42 +2010,52 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *runtime = args[0], *site = args[1];
-    PyTypeObject *type = (PyTypeObject *)invoke_refs.call_type;
-    PyObject *call = type->tp_new(type, invoke_refs.empty_tuple, NULL);
+    PyTypeObject *type = (PyTypeObject *)invoke_refs.call_type;  /* a subclass of CallBase (configure_invoke) */
+    CallObject *call = (CallObject *)type->tp_alloc(type, 0);
     if (call == NULL) {
         return NULL;
     }
-    PyObject *tracer = NULL, *profiler = NULL, *record = NULL, *thread = NULL, *start = NULL;
-    long long start_ns = now_ns();
-    if ((start_ns == -1 && PyErr_Occurred()) || PyObject_SetAttr(call, s_runtime, runtime) < 0 ||
-        PyObject_SetAttr(call, s_site, site) < 0 || (start = PyLong_FromLongLong(start_ns)) == NULL ||
-        PyObject_SetAttr(call, s_start_ns, start) < 0 || set_new(call, s_id, PyLong_FromLong(0)) < 0 ||
-        PyObject_SetAttr(call, s_future, Py_None) < 0 ||
-        (thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL ||
-        PyObject_SetAttr(call, s_thread, thread) < 0) {
+    PyObject *tracer = NULL, *profiler = NULL, *record = NULL, *thread = NULL;
+    call->runtime = Py_NewRef(runtime);
+    call->site = Py_NewRef(site);
+    call->future = Py_NewRef(Py_None);
+    call->thread = PyThread_get_thread_ident();
+    if ((call->start_ns = now_ns()) == -1 && PyErr_Occurred()) {
         goto failed;
     }
     /* the UDF this call waits inside, if any */
-    PyObject *parent = PyDict_GET_SIZE(hook_refs.serving) ? PyDict_GetItemWithError(hook_refs.serving, thread) : NULL;
-    if ((parent == NULL && PyErr_Occurred()) || PyObject_SetAttr(call, s_parent, parent ? parent : Py_None) < 0 ||
-        (tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL || (profiler = PyObject_GetAttr(runtime, s_profiler)) == NULL) {
+    PyObject *parent = NULL;
+    if (PyDict_GET_SIZE(hook_refs.serving)) {
+        if ((thread = PyLong_FromUnsignedLong(call->thread)) == NULL) {
+            goto failed;
+        }
+        if ((parent = PyDict_GetItemWithError(hook_refs.serving, thread)) == NULL && PyErr_Occurred()) {
+            goto failed;
+        }
+    }
+    call->parent = Py_NewRef(parent ? parent : Py_None);
+    if ((tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL || (profiler = PyObject_GetAttr(runtime, s_profiler)) == NULL) {
         goto failed;
     }
     if (tracer != Py_None) {
         PyObject *name = PyObject_GetAttr(site, s_span_name), *attributes = PyObject_GetAttr(site, s_attributes);
-        PyObject *span = name != NULL && attributes != NULL
-            ? start_client_span(tracer, name, attributes, start, thread) : NULL;
+        PyObject *start = name != NULL && attributes != NULL ? PyLong_FromLongLong(call->start_ns) : NULL;
+        if (start != NULL && thread == NULL) {
+            thread = PyLong_FromUnsignedLong(call->thread);
+        }
+        call->span = start != NULL && thread != NULL ? start_client_span(tracer, name, attributes, start, thread) : NULL;
         Py_XDECREF(name);
         Py_XDECREF(attributes);
-        if (set_new(call, s_span, span) < 0) {
+        Py_XDECREF(start);
+        if (call->span == NULL) {
             goto failed;
         }
     }
-    else if (PyObject_SetAttr(call, s_span, Py_None) < 0) {
-        goto failed;
+    else {
+        call->span = Py_NewRef(Py_None);
     }
     if (profiler != Py_None) {
-        PyObject *enabled = PyObject_CallNoArgs(invoke_refs.profiler_enabled), *rf = NULL;
+        PyObject *enabled = PyObject_CallNoArgs(invoke_refs.profiler_enabled);
         int on = enabled != NULL ? PyObject_IsTrue(enabled) : -1;
         Py_XDECREF(enabled);
         if (on < 0) {
@@ -1992,25 +2063,32 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         if (on) {
             PyObject *key = PyObject_GetAttr(site, s_key);
-            rf = key != NULL ? PyObject_CallMethodOneArg(profiler, s_client_start, key) : NULL;
+            call->rf = key != NULL ? PyObject_CallMethodOneArg(profiler, s_client_start, key) : NULL;
             Py_XDECREF(key);
+            if (call->rf == NULL) {
+                goto failed;
+            }
         }
         else {
-            rf = Py_NewRef(Py_None);
-        }
-        if (set_new(call, s_rf, rf) < 0) {
-            goto failed;
+            call->rf = Py_NewRef(Py_None);
         }
         PyObject *armed = PyObject_GetAttr(profiler, s_armed);
         int is_armed = armed != NULL ? PyObject_IsTrue(armed) : -1;
         Py_XDECREF(armed);
-        if (is_armed < 0 || set_new(call, s_tid, is_armed ? PyObject_CallNoArgs(invoke_refs.native_id)
-                                                          : PyLong_FromLong(0)) < 0) {
+        if (is_armed < 0) {
             goto failed;
         }
+        if (is_armed) {
+            PyObject *tid = PyObject_CallNoArgs(invoke_refs.native_id);
+            call->tid = tid != NULL ? PyLong_AsLongLong(tid) : -1;
+            Py_XDECREF(tid);
+            if (call->tid == -1 && PyErr_Occurred()) {
+                goto failed;
+            }
+        }
     }
-    else if (PyObject_SetAttr(call, s_rf, Py_None) < 0) {
-        goto failed;
+    else {
+        call->rf = Py_NewRef(Py_None);
     }
     if ((record = PyObject_GetAttr(site, s_record)) == NULL) {
         goto failed;
@@ -2027,15 +2105,13 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(tracer);
     Py_DECREF(profiler);
     Py_DECREF(record);
-    Py_DECREF(thread);
-    Py_DECREF(start);
-    return call;
+    Py_XDECREF(thread);
+    return (PyObject *)call;
 failed:
     Py_XDECREF(tracer);
     Py_XDECREF(profiler);
     Py_XDECREF(record);
     Py_XDECREF(thread);
-    Py_XDECREF(start);
     Py_DECREF(call);
     return NULL;
 }
@@ -2142,17 +2218,15 @@ invoke_rpc_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t nar
         return NULL;
     }
     /* its echoed response ends it (the common case, inline), else _after_invoke watches the future */
-    PyObject *id = PyObject_GetAttr(call, s_id), *rf = id != NULL ? PyObject_GetAttr(call, s_rf) : NULL;
-    int echoed = rf != NULL ? PyObject_IsTrue(id) : -1;
+    CallObject *fields = AS_CALL(call);  /* client._begin's Call: always one where the core is built */
     PyObject *result = NULL;
-    if (echoed > 0 && rf == Py_None) {
-        result = PyObject_SetAttr(call, s_future, future) < 0 ? NULL : Py_NewRef(future);
+    if (fields != NULL && fields->id != 0 && (fields->rf == NULL || fields->rf == Py_None)) {
+        Py_XSETREF(fields->future, Py_NewRef(future));
+        result = Py_NewRef(future);
     }
-    else if (echoed >= 0) {
+    else {
         result = PyObject_CallFunctionObjArgs(invoke_refs.after_invoke, call, future, args[2], NULL);
     }
-    Py_XDECREF(id);
-    Py_XDECREF(rf);
     Py_DECREF(call);
     if (result == NULL) {
         result = swallow(invoke_refs.where_watch) < 0 ? NULL : Py_NewRef(future);
@@ -2168,9 +2242,9 @@ PyDoc_STRVAR(configure_invoke_doc,
 static PyObject *
 configure_invoke(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6 || !PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "configure_invoke(call_type: type, begin, end_raised, after_invoke, "
-                                         "profiler_enabled, native_id)");
+    if (nargs != 6 || !PyType_Check(args[0]) || !PyType_IsSubtype((PyTypeObject *)args[0], &CallBaseType)) {
+        PyErr_SetString(PyExc_TypeError, "configure_invoke(call_type: a subclass of CallBase, begin, end_raised, "
+                                         "after_invoke, profiler_enabled, native_id)");
         return NULL;
     }
     PyObject **slots[] = {&invoke_refs.call_type, &invoke_refs.begin, &invoke_refs.end_raised,
@@ -2987,7 +3061,7 @@ PyInit__core(void)
         (hook_refs.where_deserialize == NULL &&
          (hook_refs.where_deserialize = PyUnicode_InternFromString("deserialize")) == NULL) ||
         intern_run_names() < 0 || intern_invoke_names() < 0 || PyType_Ready(&HookType) < 0 ||
-        PyType_Ready(&RecordsType) < 0) {
+        PyType_Ready(&RecordsType) < 0 || PyType_Ready(&CallBaseType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&core_module);
@@ -2996,6 +3070,7 @@ PyInit__core(void)
     }
     if (PyModule_AddObjectRef(module, "Hook", (PyObject *)&HookType) < 0 ||
         PyModule_AddObjectRef(module, "Records", (PyObject *)&RecordsType) < 0 ||
+        PyModule_AddObjectRef(module, "CallBase", (PyObject *)&CallBaseType) < 0 ||
         PyModule_AddIntConstant(module, "SERIALIZE", SERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "RUN_FUNCTION", RUN_FUNCTION) < 0 ||

@@ -25,9 +25,23 @@ class Hook:
     kind: int
     def __init__(self, original: Any, kind: int, /) -> None: ...
     def __call__(self, *args: Any) -> Any: ...
+class CallBase:
+    """The fields of calls.Call as a C struct (calls.Call subclasses it where the core is built)."""
+
+    runtime: Any
+    site: Any
+    span: Any
+    rf: Any
+    future: Any
+    parent: Any
+    start_ns: int
+    id: int
+    tid: int
+    thread: int
+
 def configure_run(serving: dict[int, Any], proxies: Any, site_of: Callable[..., Any], end_other: Callable[..., None],
                   fold_served: Any, unknown: str, /) -> None: ...
-def configure_invoke(call_type: type, begin: Callable[..., Any], end_raised: Callable[..., None],
+def configure_invoke(call_type: type[CallBase], begin: Callable[..., Any], end_raised: Callable[..., None],
                      after_invoke: Callable[..., Any], profiler_enabled: Callable[[], bool],
                      native_id: Callable[[], int], /) -> None: ...
 def new_call(runtime: Any, site: Any, /) -> Any: ...

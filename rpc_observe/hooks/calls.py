@@ -37,6 +37,7 @@ from torch.distributed.rpc.internal import RemoteException
 
 from ..telemetry import health
 from ..telemetry.metrics import fold_finished, fold_split
+from . import native
 
 if TYPE_CHECKING:
     from ..telemetry.runtime import Runtime
@@ -68,23 +69,49 @@ Finished = tuple["ClientSite", int, int, int, "str | None"]
 finished: collections.deque[Finished] = collections.deque(maxlen=1000)
 
 
-class Call:
+# A call's fields, in a C struct where the core is built (`_core.CallBase`: its hot paths read them with no
+# lookup, and a call made there creates no int object); the same names in Python slots otherwise.
+CALL_FIELDS = ("runtime", "site", "start_ns", "span", "rf", "tid", "id", "future", "thread", "parent")
+
+
+class _CallFields:
+    __slots__ = CALL_FIELDS
+
+
+_core = native.load("_core")
+NO_MORE_FIELDS: tuple[str, ...] = ()  # a name, not a literal: type checkers take the fields from the annotations
+_CallBase: type = _core.CallBase if _core is not None else _CallFields
+
+
+class Call(_CallBase):  # the base is chosen at import
     """One client call in flight."""
 
-    __slots__ = ("runtime", "site", "start_ns", "span", "rf", "tid", "id", "future", "thread", "parent")
+    __slots__ = NO_MORE_FIELDS
+    runtime: Runtime
+    site: ClientSite
+    start_ns: int
+    span: Any
+    rf: Any
+    tid: int
+    id: int
+    future: Any
+    thread: int
+    parent: Served | None
 
     def __init__(self, runtime: Runtime, site: ClientSite) -> None:
         self.runtime, self.site = runtime, site
         self.start_ns = _time_ns()
         self.id = 0
-        self.future: Any = None
+        self.future = None
         self.thread = thread = _get_ident()
         self.parent = serving.get(thread) if serving else None  # the UDF this call waits inside, if any
         tracer, profiler = runtime.tracer, runtime.profiler
         self.span = tracer.start_client(site.span_name, site.attributes, self.start_ns) if tracer else None
+        self.tid = 0
         if profiler is not None:
             self.rf = profiler.client_start(site.key) if _profiler_enabled() else None
-            self.tid = _native_id() if profiler.armed else 0
+            if profiler.armed:
+                self.tid = _native_id()
         else:
             self.rf = None
         if site.record is not None:

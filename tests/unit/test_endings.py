@@ -8,8 +8,10 @@ spans, profiler events, the flight recorder's last finished calls. Real torch ob
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,7 +292,7 @@ def test_a_call_made_in_c_is_the_call_python_makes(world: runtime.Runtime, monke
         made = []
         for make in (calls.Call, trailer.core.new_call):
             call = make(world, site)
-            slots = {name: getattr(call, name, "unset") for name in calls.Call.__slots__}
+            slots = {name: getattr(call, name, "unset") for name in calls.CALL_FIELDS}
             span = slots.pop("span")
             slots["span"] = _span(span) if span is not None else None
             made.append((type(call), slots, _effects(world, messages=True)))
@@ -299,6 +301,37 @@ def test_a_call_made_in_c_is_the_call_python_makes(world: runtime.Runtime, monke
     finally:
         calls.serving.pop(thread, None)
         pickler.configure_core(time.time_ns, time.perf_counter)
+
+
+@needs_core
+def test_a_calls_fields_are_the_c_structs_and_read_as_the_python_slots() -> None:
+    """Where the core is built, `calls.Call` keeps its fields in `_core.CallBase`: the same names, an object never
+    set reads None, a number 0, each takes what the Python slot took (ints in range; any object), and a cycle
+    through a call (a future whose callback is the call's method) is collected."""
+    assert trailer.core is not None and issubclass(calls.Call, trailer.core.CallBase)
+    bare = calls.Call.__new__(calls.Call)
+    assert {name: getattr(bare, name) for name in calls.CALL_FIELDS} == {
+        "runtime": None, "site": None, "start_ns": 0, "span": None, "rf": None, "tid": 0, "id": 0, "future": None,
+        "thread": 0, "parent": None}
+    assert not hasattr(bare, "__dict__")  # slots only, as the Python class
+    for name, value in (("id", 2**63 - 1), ("start_ns", -5), ("tid", 7), ("thread", 2**64 - 1), ("span", "any"),
+                        ("parent", ("a", "served", 1, 0))):
+        setattr(bare, name, value)
+        assert getattr(bare, name) == value
+    with pytest.raises(OverflowError):
+        bare.id = 2**63
+    with pytest.raises(TypeError):
+        bare.start_ns = "1"  # type: ignore[assignment]
+    class Held:
+        pass
+
+    held = Held()
+    gone = weakref.ref(held)
+    cycle = calls.Call.__new__(calls.Call)
+    cycle.future, cycle.parent = [cycle.on_done], held  # type: ignore[assignment]
+    del held, cycle
+    gc.collect()
+    assert gone() is None
 
 
 @needs_core
