@@ -389,15 +389,41 @@ static struct {
     PyObject *finish_call;  /* pickler._finish_echoed(call, obj, end_ns, callee_ns): the reference ending */
     PyObject *not_handled;  /* what `handle` returns for the general path */
     PyObject *time_ns;  /* time.time_ns (a test's clock in tests) */
-    PyObject *local;  /* calls.local: .call, the client call being serialized on this thread */
     PyObject *next_id;  /* calls.next_id */
     PyObject *pending_replies;  /* calls.pending_replies */
     Py_ssize_t max_in_flight;  /* calls.MAX_IN_FLIGHT */
 } refs;
 
+/* The client call whose request is being sent on this thread (a strong reference), or NULL: set by the invoke hook
+ * (and client.py's remote) around torch's call, read where the request is pickled, on the same thread. A C thread
+ * local, where threading.local takes three dict lookups a read. Never left set when a thread ends: the setters put
+ * back what was there on every path. */
+static __thread PyObject *thread_call;
+
+PyDoc_STRVAR(current_call_doc,
+"current_call()\n--\n\n"
+"The client call whose request this thread is sending, or None (calls.current_call).");
+
+static PyObject *
+current_call(PyObject *module, PyObject *unused)
+{
+    return Py_NewRef(thread_call != NULL ? thread_call : Py_None);
+}
+
+PyDoc_STRVAR(set_current_call_doc,
+"set_current_call(call, /)\n--\n\n"
+"Makes `call` (None: none) the client call this thread is sending (calls.set_current_call).");
+
+static PyObject *
+set_current_call(PyObject *module, PyObject *call)
+{
+    Py_XSETREF(thread_call, call != Py_None ? Py_NewRef(call) : NULL);
+    Py_RETURN_NONE;
+}
+
 static PyObject *s_record, *s_response_cells, *s_received, *s_cells, *s_profiler, *s_armed,
     *s_callee_ns, *s_tracer, *s_end, *s_metrics, *s_request_cells_attr,
-    *s_fields, *s_start, *s_nbytes, *s_untyped_storage, *s_numel, *s_element_size, *s_call, *s_context_text,
+    *s_fields, *s_start, *s_nbytes, *s_untyped_storage, *s_numel, *s_element_size, *s_context_text,
     *s_echoed, *s_trailer_head, *s_request_cells, *s_sent_bytes;
 
 static int
@@ -409,7 +435,7 @@ intern_names(void)
         {&s_callee_ns, "callee_ns"}, {&s_tracer, "tracer"}, {&s_end, "end"}, {&s_metrics, "metrics"}, {&s_request_cells_attr, "request_cells"},
         {&s_fields, "rpc_observe_fields"}, {&s_start, "rpc_observe_start"}, {&s_nbytes, "nbytes"},
         {&s_untyped_storage, "untyped_storage"}, {&s_numel, "numel"}, {&s_element_size, "element_size"},
-        {&s_call, "call"}, {&s_context_text, "context_text"}, {&s_echoed, "echoed"}, {&s_trailer_head, "trailer_head"},
+        {&s_context_text, "context_text"}, {&s_echoed, "echoed"}, {&s_trailer_head, "trailer_head"},
         {&s_request_cells, "request_cells"}, {&s_sent_bytes, "sent_bytes"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
@@ -456,7 +482,7 @@ clock_ns(clockid_t id)
 
 PyDoc_STRVAR(configure_doc,
 "configure(in_flight, finished_append, fold_message, fold_split, fold_finished, remote_exception, python_udf,\n"
-"          request_cells, finish_call, not_handled, time_ns, local, next_id, pending_replies, max_in_flight, /)\n--\n\n"
+"          request_cells, finish_call, not_handled, time_ns, next_id, pending_replies, max_in_flight, /)\n--\n\n"
 "Hands the hot paths their tables and functions (pickler.py calls it once, at import).");
 
 static PyObject *
@@ -464,14 +490,14 @@ configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject **slots[] = {&refs.in_flight, &refs.finished_append, &refs.fold_message, &refs.fold_split,
                           &refs.fold_finished, &refs.remote_exception, &refs.python_udf,
-                          &refs.request_cells, &refs.finish_call, &refs.not_handled, &refs.time_ns, &refs.local,
+                          &refs.request_cells, &refs.finish_call, &refs.not_handled, &refs.time_ns,
                           &refs.next_id, &refs.pending_replies};
     Py_ssize_t count = (Py_ssize_t)(sizeof(slots) / sizeof(slots[0]));
     if (nargs != count + 1) {
-        PyErr_SetString(PyExc_TypeError, "configure takes 15 arguments");
+        PyErr_SetString(PyExc_TypeError, "configure takes 14 arguments");
         return NULL;
     }
-    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyDict_Check(args[13])) {
+    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyDict_Check(args[12])) {
         PyErr_SetString(PyExc_TypeError, "configure: in_flight and pending_replies must be dicts, the classes types");
         return NULL;
     }
@@ -1021,20 +1047,12 @@ serialized(PyObject *runtime, PyObject *obj, PyObject *data, PyObject *tensors, 
         return Py_NewRef(refs.not_handled);
     }
     if (Py_IS_TYPE(obj, (PyTypeObject *)refs.python_udf)) {
-        PyObject *call = PyObject_GetAttr(refs.local, s_call);
-        if (call == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-                return NULL;
-            }
-            PyErr_Clear();
-        }
-        else if (call != Py_None) {
+        PyObject *call = thread_call;
+        if (call != NULL) {
+            Py_INCREF(call);  /* held: the Python code send_request may run could set another */
             PyObject *result = send_request(runtime, call, data, tensors, seconds);
             Py_DECREF(call);
             return result;
-        }
-        else {
-            Py_DECREF(call);
         }
     }
     PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());  /* threading.get_ident() */
@@ -2178,30 +2196,11 @@ invoke_rpc_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t nar
         }
         return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
     }
-    PyObject *outer = PyObject_GetAttr(refs.local, s_call);
-    if (outer == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            Py_DECREF(call);
-            return NULL;
-        }
-        PyErr_Clear();
-        outer = Py_NewRef(Py_None);
-    }
-    if (PyObject_SetAttr(refs.local, s_call, call) < 0) {
-        Py_DECREF(outer);
-        Py_DECREF(call);
-        return NULL;
-    }
+    PyObject *outer = thread_call;  /* local.call = call, the outer one kept (its reference moves here) */
+    thread_call = Py_NewRef(call);
     PyObject *future = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
     PyObject *error = future == NULL ? raised() : NULL;
-    int restored = PyObject_SetAttr(refs.local, s_call, outer);  /* local.call = outer */
-    Py_DECREF(outer);
-    if (restored < 0 && swallow(invoke_refs.where_start) < 0) {
-        Py_XDECREF(error);
-        Py_XDECREF(future);
-        Py_DECREF(call);
-        return NULL;
-    }
+    Py_XSETREF(thread_call, outer);  /* local.call = outer */
     if (future == NULL) {  /* torch raised before the call had a future: ended as failed, then raised as it is */
         if (error == NULL) {
             PyErr_SetString(PyExc_SystemError, "_invoke_rpc failed without an exception");
@@ -3037,6 +3036,8 @@ static PyMethodDef core_methods[] = {
     {"configure_run", (PyCFunction)(void (*)(void))configure_run, METH_FASTCALL, configure_run_doc},
     {"configure_invoke", (PyCFunction)(void (*)(void))configure_invoke, METH_FASTCALL, configure_invoke_doc},
     {"new_call", (PyCFunction)(void (*)(void))new_call, METH_FASTCALL, new_call_doc},
+    {"current_call", current_call, METH_NOARGS, current_call_doc},
+    {"set_current_call", set_current_call, METH_O, set_current_call_doc},
     {"configure_fold", (PyCFunction)(void (*)(void))configure_fold, METH_FASTCALL, configure_fold_doc},
     {"configure_spans", (PyCFunction)(void (*)(void))configure_spans, METH_FASTCALL, configure_spans_doc},
     {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},

@@ -30,6 +30,7 @@ import collections
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch.autograd import _profiler_enabled
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from .client import ClientSite
     from .server import ServerSite
 
-local = threading.local()  # .call: the client call being serialized on this thread; .fetch: an RRef.to_here() site
+local = threading.local()  # .call: the call being sent (set_current_call); .fetch: an RRef.to_here() site
 # Every started call that has a future, by call id: those whose echoed response ends them,
 # and those a done-callback ends (so that shutdown, exit and SIGTERM can end what is left).
 in_flight: dict[int, Call] = {}
@@ -81,6 +82,20 @@ class _CallFields:
 _core = native.load("_core")
 NO_MORE_FIELDS: tuple[str, ...] = ()  # a name, not a literal: type checkers take the fields from the annotations
 _CallBase: type = _core.CallBase if _core is not None else _CallFields
+
+
+def _current_call() -> Call | None:
+    return getattr(local, "call", None)
+
+
+def _set_current_call(call: Call | None) -> None:
+    local.call = call
+
+
+# The client call whose request this thread is sending (set around torch's call, read where its request is
+# pickled): a C thread local where the core is built; the functions above are its reference.
+current_call: Callable[[], Call | None] = _core.current_call if _core is not None else _current_call
+set_current_call: Callable[[Call | None], None] = _core.set_current_call if _core is not None else _set_current_call
 
 
 class Call(_CallBase):  # the base is chosen at import

@@ -21,7 +21,7 @@ from ..telemetry import health
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import Cell, ClientCells, MessageCells, Record, StartedRecord, fold_started
 from . import trailer
-from .calls import MAX_IN_FLIGHT, Call, end_raised, future_error, in_flight, local, next_id
+from .calls import MAX_IN_FLIGHT, Call, current_call, end_raised, future_error, in_flight, next_id, set_current_call
 from .naming import helper_target, is_internal, is_proxy, method_name, profiling_key, proxy_method, span_attributes
 
 if TYPE_CHECKING:
@@ -186,15 +186,15 @@ def wrap_invoke_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
                 health.internal_error("client_start")
         if call is None:
             return original(to, func, rpc_type, *args, **kwargs)
-        outer = getattr(local, "call", None)
-        local.call = call
+        outer = current_call()
+        set_current_call(call)
         try:
             future = original(to, func, rpc_type, *args, **kwargs)
         except BaseException as e:
-            local.call = outer
+            set_current_call(outer)
             end_raised(call, e)
             raise
-        local.call = outer
+        set_current_call(outer)
         return _after_invoke(call, future, rpc_type)
 
     return _invoke_rpc
@@ -230,15 +230,15 @@ def wrap_remote(original: Callable[..., Any]) -> Callable[..., Any]:
                 if runtime is not None else None)
         if call is None:
             return original(to, func, *args, **kwargs)
-        outer = getattr(local, "call", None)
-        local.call = call
+        outer = current_call()
+        set_current_call(call)
         try:
             rref = original(to, func, *args, **kwargs)
         except BaseException as e:
-            local.call = outer
+            set_current_call(outer)
             end_raised(call, e)
             raise
-        local.call = outer
+        set_current_call(outer)
         try:
             future = rref._get_future()
         except Exception:

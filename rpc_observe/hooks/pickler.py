@@ -40,6 +40,7 @@ _time_ns = time.time_ns
 _tuple_new = tuple.__new__
 _thread_id = threading.get_ident
 _local, _in_flight, _next_id, _pending_replies = calls.local, calls.in_flight, calls.next_id, calls.pending_replies
+_current_call = calls.current_call
 _finished_append = calls.finished.append
 _MAX_IN_FLIGHT = calls.MAX_IN_FLIGHT
 # The trailer codec (in C where built; trailer.py has the references).
@@ -170,7 +171,7 @@ def configure_core(time_ns: Callable[[], int], perf_counter: Callable[[], float]
     """Hands the C hot paths the tables and functions they use, and their clocks (a test's, in tests)."""
     if _core is not None:
         _core.configure(_in_flight, _finished_append, fold_message, fold_split, fold_finished, RemoteException,
-                        PythonUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns, _local,
+                        PythonUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns,
                         _next_id, _pending_replies, _MAX_IN_FLIGHT)
         _core.configure_hooks(_runtime, perf_counter, health.internal_error, _on_other_message, _serialize_other)
         _core.configure_fold(fold_message, fold_started, fold_finished, fold_split, fold_served, SIZE_BUCKETS,
@@ -198,7 +199,7 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
         seconds = _perf_counter() - start
         # Inline on purpose, like `deserialize`: see there.
         try:
-            call = getattr(_local, "call", None) if type(obj) is PythonUDF else None
+            call = _current_call() if type(obj) is PythonUDF else None
             if call is not None:  # a request
                 site = call.site
                 context = (runtime.tracer.context_text(call.span)  # type: ignore[union-attr]  # span: tracer
@@ -217,14 +218,14 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
             reply = _pending_replies.pop(_thread_id(), None)
             if reply is None:
                 return _serialize_other(runtime, obj, data, tensors, seconds)
-            site, echo, request_start = reply  # the response of a UDF this thread just ran
+            served, echo, request_start = reply  # the response of a UDF this thread just ran
             # The callee's time: from unpickling the request to having pickled this response.
             tail = (_response_trailer(echo, int((start + seconds - request_start) * 1e6) if request_start else -1)
                     if echo else b"")
-            record = site.record
+            record = served.record
             if record is not None:
                 logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
-                record((fold_message, site.response_cells, len(data), len(tensors), logical, traveling, seconds, None,
+                record((fold_message, served.response_cells, len(data), len(tensors), logical, traveling, seconds, None,
                         0))
             return (data + tail if tail else data), tensors
         except Exception:

@@ -49,11 +49,11 @@ def test_the_call_table_is_bounded_and_calls_past_it_still_end(metrics_runtime: 
     call = client._begin(metrics_runtime, "worker1", _functions(1)[0], "sync")
     assert call is not None and call.site.echoed
     runtime_current = runtime.current
-    calls.local.call = call
+    calls.set_current_call(call)
     try:  # the request asks for no echo: the table is full
         data, _ = pickler.wrap_serialize(lambda self, obj: (b"P", []))(None, PythonUDF(print, (), {}))
     finally:
-        calls.local.call = None
+        calls.set_current_call(None)
     assert call.id == 0 and runtime_current is metrics_runtime and b"\x00rpcobs1" in data
     future: torch.futures.Future = torch.futures.Future()
     assert client._watch(call, future) is future

@@ -179,9 +179,9 @@ def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool, queue: st
         site = ClientSite(rt, noop, "sync", "worker1")
 
         def one_rpc() -> None:
-            calls.local.call = calls.Call(rt, site)
+            calls.set_current_call(calls.Call(rt, site))
             request, _ = serialize(None, PythonUDF(noop, (), {}))
-            calls.local.call = None
+            calls.set_current_call(None)
             run(request_in(None, request, tensors))
             response, _ = serialize(None, result)
             assert response_in(None, response, tensors) is result
@@ -220,13 +220,13 @@ def test_invoke_rpc_hook_hands_back_torch_futures_and_errors(metrics_runtime: ru
 
     def invoke(to: Any, func: Any, rpc_type: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append((to, func, rpc_type, args, kwargs))
-        assert calls.local.call is not None  # the call being sent, for the pickler
+        assert calls.current_call() is not None  # the call being sent, for the pickler
         return future
 
     hook = core.Hook(invoke, core.INVOKE_RPC)
     assert hook("worker1", noop, RPCExecMode.ASYNC, (1,), {}, timeout=5.0) is future
     assert seen == [("worker1", noop, RPCExecMode.ASYNC, ((1,), {}), {"timeout": 5.0})]
-    assert getattr(calls.local, "call", None) is None  # put back as it was
+    assert calls.current_call() is None  # put back as it was
     (call,) = calls.in_flight.values()
     future.set_result(3)  # its done-callback ends it
     assert not calls.in_flight and calls.finished[-1][4] is None
@@ -238,5 +238,5 @@ def test_invoke_rpc_hook_hands_back_torch_futures_and_errors(metrics_runtime: ru
     with pytest.raises(ConnectionError) as raised:
         core.Hook(raising, core.INVOKE_RPC)("worker1", noop, RPCExecMode.SYNC, args=(2,))
     assert raised.value is error and calls.finished[-1][4] == "ConnectionError"
-    assert getattr(calls.local, "call", None) is None and health.internal_errors == {}
+    assert calls.current_call() is None and health.internal_errors == {}
     calls.finished.clear()

@@ -238,10 +238,10 @@ def test_the_c_client_span_and_its_context_are_the_tracers(tmp_path: Path, c_ser
             call = make(rt, site)
             span = call.span
             # the context the request carries: the serialize Hook's trailer (C) against Tracer.context_text
-            calls.local.call = call
+            calls.set_current_call(call)
             monkeypatch.setattr(pickler, "_core", core if make is core.new_call else None)
             data, _ = pickler.wrap_serialize(lambda self, o: (b"PICKLE.", []))(None, PythonUDF(noop, (), {}))
-            calls.local.call = None
+            calls.set_current_call(None)
             _, fields = trailer.split(data)
             assert fields is not None
             made.append((type(span), {name: getattr(span, name) for name in tracing.SpanRecord.__slots__},
@@ -252,7 +252,7 @@ def test_the_c_client_span_and_its_context_are_the_tracers(tmp_path: Path, c_ser
         if situation == "in a served UDF":
             assert made[0][1]["trace_id"] == 77 and made[0][1]["parent_id"] == 66
     finally:
-        calls.local.call = None
+        calls.set_current_call(None)
         if token is not None:
             context.detach(token)
         rt.tracer.serving.pop(ident, None)
@@ -279,14 +279,14 @@ def test_the_c_traceparent_entry_is_the_format(tmp_path: Path, c_server: None, t
     try:
         call = core.new_call(rt, ClientSite(rt, noop, "sync", "worker1"))
         call.span = tracing.SpanRecord("f", tracing.CLIENT, trace_id, span_id, 0, False, sampled, {}, 1)
-        calls.local.call = call
+        calls.set_current_call(call)
         data, _ = pickler.wrap_serialize(lambda self, o: (b"PICKLE.", []))(None, PythonUDF(noop, (), {}))
         _, fields = trailer.split(data)
         assert fields is not None
         expected = propagation.TRACEPARENT_ENTRY_FORMAT % (trace_id, span_id, propagation.FLAGS[sampled])
         assert fields[trailer.CONTEXT:] == [expected] == [rt.tracer.context_text(call.span)]
     finally:
-        calls.local.call = None
+        calls.set_current_call(None)
         calls.in_flight.clear()
         runtime.current = None
         rt.close()

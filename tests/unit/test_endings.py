@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import gc
 import itertools
+import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -232,12 +234,12 @@ def test_the_request_fast_path_in_c_is_the_python_one(world: runtime.Runtime, mo
         call = calls.Call(world, site)
         _effects(world)  # the start is not the request
         started.append(call)
-        calls.local.call = call
+        calls.set_current_call(call)
 
     try:
         ways = _serialize_both_ways(world, monkeypatch, PythonUDF(noop, (), {}), before)
     finally:
-        calls.local.call = None
+        calls.set_current_call(None)
     views = []
     for (data, _, effects), call in zip(ways, started):
         size, fields = trailer.split(data)
@@ -332,6 +334,33 @@ def test_a_calls_fields_are_the_c_structs_and_read_as_the_python_slots() -> None
     del held, cycle
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("way", ["c", "python"])
+def test_the_call_being_sent_is_the_threads_own(way: str) -> None:
+    """`calls.current_call` (a C thread local where the core is built) against its threading.local reference: each
+    thread sees only what it set, None when nothing is, and setting None lets the call go (no reference kept)."""
+    if way == "c" and trailer.core is None:
+        pytest.skip("the C core is not built here")
+    get, put = ((trailer.core.current_call, trailer.core.set_current_call) if way == "c"  # type: ignore[union-attr]
+                else (calls._current_call, calls._set_current_call))
+    mine, theirs = object(), object()
+    held = sys.getrefcount(mine)
+    put(mine)
+    seen: list[object] = []
+
+    def other() -> None:
+        seen.append(get())
+        put(theirs)
+        seen.append(get())
+        put(None)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen == [None, theirs] and get() is mine
+    put(None)
+    assert get() is None and sys.getrefcount(mine) == held
 
 
 @needs_core
