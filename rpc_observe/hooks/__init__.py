@@ -18,15 +18,12 @@ if TYPE_CHECKING:
 def attach(runtime: Runtime) -> None:
     """Gives a new runtime what needs torch: the call sweep, the flight recorder, torch's debug state,
     profiler events."""
-    import collections
-
     from ..telemetry.recorder import FlightRecorder
-    from . import calls, compat, pickler, snapshot, torch_state, trailer
+    from . import calls, compat, snapshot, torch_state, trailer
 
     config = runtime.config
-    if calls.finished.maxlen != config.recorder_size:  # the pickler's inline ending appends to it too
-        calls.finished = collections.deque(maxlen=config.recorder_size)
-        pickler._finished_append = calls.finished.append
+    if calls.finished.maxlen != config.recorder_size:
+        calls.finished.resize(config.recorder_size)
     runtime.recorder = FlightRecorder(runtime.worker, runtime.rank, runtime.run_id, runtime.out_dir,
                                       config.hang_seconds, snapshot.tables, snapshot.oldest)
     runtime.add_housekeeping(calls.sweep)

@@ -381,7 +381,7 @@ response_trailer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /* What `configure` hands over once: the tables and functions the hot path uses (strong references). */
 static struct {
     PyObject *in_flight;  /* calls.in_flight */
-    PyObject *finished_append;  /* calls.finished.append */
+    PyObject *finished;  /* calls.finished: a FinishedCalls (or its reference, appended to) */
     PyObject *fold_message, *fold_split, *fold_finished;  /* the metrics' fold functions, first in each record */
     PyObject *remote_exception;  /* torch's RemoteException type */
     PyObject *python_udf;  /* torch's PythonUDF type */
@@ -421,7 +421,7 @@ set_current_call(PyObject *module, PyObject *call)
     Py_RETURN_NONE;
 }
 
-static PyObject *s_record, *s_response_cells, *s_received, *s_cells, *s_profiler, *s_armed,
+static PyObject *s_append, *s_record, *s_response_cells, *s_received, *s_cells, *s_profiler, *s_armed,
     *s_callee_ns, *s_tracer, *s_end, *s_metrics, *s_request_cells_attr,
     *s_fields, *s_start, *s_nbytes, *s_untyped_storage, *s_numel, *s_element_size, *s_context_text,
     *s_echoed, *s_trailer_head, *s_request_cells, *s_sent_bytes;
@@ -430,7 +430,7 @@ static int
 intern_names(void)
 {
     struct { PyObject **slot; const char *text; } names[] = {
-        {&s_record, "record"}, {&s_response_cells, "response_cells"}, {&s_received, "received"},
+        {&s_append, "append"}, {&s_record, "record"}, {&s_response_cells, "response_cells"}, {&s_received, "received"},
         {&s_cells, "cells"}, {&s_profiler, "profiler"}, {&s_armed, "armed"},
         {&s_callee_ns, "callee_ns"}, {&s_tracer, "tracer"}, {&s_end, "end"}, {&s_metrics, "metrics"}, {&s_request_cells_attr, "request_cells"},
         {&s_fields, "rpc_observe_fields"}, {&s_start, "rpc_observe_start"}, {&s_nbytes, "nbytes"},
@@ -481,14 +481,14 @@ clock_ns(clockid_t id)
 }
 
 PyDoc_STRVAR(configure_doc,
-"configure(in_flight, finished_append, fold_message, fold_split, fold_finished, remote_exception, python_udf,\n"
+"configure(in_flight, finished, fold_message, fold_split, fold_finished, remote_exception, python_udf,\n"
 "          request_cells, finish_call, not_handled, time_ns, next_id, pending_replies, max_in_flight, /)\n--\n\n"
 "Hands the hot paths their tables and functions (pickler.py calls it once, at import).");
 
 static PyObject *
 configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject **slots[] = {&refs.in_flight, &refs.finished_append, &refs.fold_message, &refs.fold_split,
+    PyObject **slots[] = {&refs.in_flight, &refs.finished, &refs.fold_message, &refs.fold_split,
                           &refs.fold_finished, &refs.remote_exception, &refs.python_udf,
                           &refs.request_cells, &refs.finish_call, &refs.not_handled, &refs.time_ns,
                           &refs.next_id, &refs.pending_replies};
@@ -714,6 +714,268 @@ static PyTypeObject CallBaseType = {
     .tp_members = call_members,
 };
 
+/* ---- FinishedCalls: the flight recorder's last finished calls (calls.FinishedCalls is its reference) ----
+ * A ring of `maxlen` entries, oldest first: the echoed ending pushes its call's numbers as they are (no tuple, no
+ * int objects), Python appends calls.Finished tuples; a tuple is made only when the recorder reads the ring. One
+ * object for the process's life: `resize` takes RPC_OBSERVE_RECORDER_SIZE. Every access holds the GIL, and an entry
+ * that leaves the ring is released only after the ring is consistent again (a release may run Python code). */
+typedef struct {
+    PyObject *site, *error;  /* strong; error: the error.type text or None */
+    long long id, start_ns, end_ns;
+} finished_entry;
+
+typedef struct {
+    PyObject_HEAD
+    finished_entry *ring;
+    Py_ssize_t maxlen, head, count;  /* the oldest entry at ring[head] */
+} FinishedCalls;
+
+static PyTypeObject FinishedCallsType;
+
+static void
+entries_release(finished_entry *entries, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_XDECREF(entries[i].site);
+        Py_XDECREF(entries[i].error);
+    }
+}
+
+/* Adds an entry (its references added); the oldest leaves when the ring is full. */
+static void
+finished_push(FinishedCalls *f, PyObject *site, long long id, long long start_ns, long long end_ns, PyObject *error)
+{
+    if (f->maxlen == 0) {
+        return;
+    }
+    finished_entry old = {NULL, NULL, 0, 0, 0};
+    Py_ssize_t at;
+    if (f->count == f->maxlen) {  /* the oldest's slot, and the next oldest is the head */
+        at = f->head;
+        old = f->ring[at];
+        f->head = (at + 1) % f->maxlen;
+    }
+    else {
+        at = (f->head + f->count++) % f->maxlen;
+    }
+    f->ring[at] = (finished_entry){Py_NewRef(site), Py_NewRef(error), id, start_ns, end_ns};
+    entries_release(&old, 1);
+}
+
+/* Moves the newest `count` entries into `ring` (room for `maxlen`, taken), then releases the older ones. */
+static int
+finished_set(FinishedCalls *f, finished_entry *ring, Py_ssize_t maxlen, Py_ssize_t count)
+{
+    finished_entry *old = f->ring;
+    Py_ssize_t old_head = f->head, old_count = f->count, old_maxlen = f->maxlen;
+    /* the entries that do not fit, copied out before the ring changes, released after */
+    Py_ssize_t dropped = old_count - count;
+    finished_entry *gone = dropped > 0 ? PyMem_Malloc((size_t)dropped * sizeof(finished_entry)) : NULL;
+    if (dropped > 0 && gone == NULL) {
+        PyMem_Free(ring);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < old_count; i++) {
+        finished_entry e = old[(old_head + i) % old_maxlen];
+        if (i < dropped) {
+            gone[i] = e;
+        }
+        else {
+            ring[i - dropped] = e;
+        }
+    }
+    f->ring = ring, f->maxlen = maxlen, f->head = 0, f->count = count;
+    PyMem_Free(old);
+    if (gone != NULL) {
+        entries_release(gone, dropped);
+        PyMem_Free(gone);
+    }
+    return 0;
+}
+
+/* Keeps the newest `keep` entries (at most) in a ring of `maxlen`. */
+static int
+finished_resize(FinishedCalls *f, Py_ssize_t maxlen, Py_ssize_t keep)
+{
+    if (maxlen < 0 || maxlen > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(finished_entry)) {
+        PyErr_SetString(PyExc_ValueError, "maxlen must be an int from 0");
+        return -1;
+    }
+    finished_entry *ring = PyMem_Malloc((size_t)(maxlen ? maxlen : 1) * sizeof(finished_entry));
+    if (ring == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    keep = keep < maxlen ? keep : maxlen;
+    return finished_set(f, ring, maxlen, f->count < keep ? f->count : keep);
+}
+
+static PyObject *
+finished_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Py_ssize_t maxlen;
+    static char *names[] = {"maxlen", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:FinishedCalls", names, &maxlen)) {
+        return NULL;
+    }
+    FinishedCalls *f = (FinishedCalls *)type->tp_alloc(type, 0);
+    if (f == NULL) {
+        return NULL;
+    }
+    if (finished_resize(f, maxlen, 0) < 0) {
+        Py_DECREF(f);
+        return NULL;
+    }
+    return (PyObject *)f;
+}
+
+PyDoc_STRVAR(finished_append_doc,
+"append(finished, /)\n--\n\n"
+"Adds a calls.Finished tuple (site, call id, start ns, end ns, error.type or None); the oldest leaves when full.");
+
+static PyObject *
+finished_append(FinishedCalls *f, PyObject *item)
+{
+    long long n[3];
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
+        PyErr_SetString(PyExc_TypeError, "a finished call is (site, call id, start ns, end ns, error.type or None)");
+        return NULL;
+    }
+    for (int i = 0; i < 3; i++) {
+        if ((n[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(item, i + 1))) == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    finished_push(f, PyTuple_GET_ITEM(item, 0), n[0], n[1], n[2], PyTuple_GET_ITEM(item, 4));
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(finished_resize_doc,
+"resize(maxlen, /)\n--\n\n"
+"Keeps the newest `maxlen` calls, and that many from now on.");
+
+static PyObject *
+finished_resize_method(FinishedCalls *f, PyObject *arg)
+{
+    Py_ssize_t maxlen = PyLong_AsSsize_t(arg);
+    if ((maxlen == -1 && PyErr_Occurred()) || finished_resize(f, maxlen, maxlen) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(finished_clear_doc, "clear()\n--\n\nForgets every call.");
+
+static PyObject *
+finished_clear_method(FinishedCalls *f, PyObject *unused)
+{
+    return finished_resize(f, f->maxlen, 0) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+/* The calls as a list of calls.Finished tuples, oldest first. */
+static PyObject *
+finished_list(FinishedCalls *f)
+{
+    PyObject *list = PyList_New(f->count);
+    for (Py_ssize_t i = 0; list != NULL && i < f->count; i++) {
+        finished_entry *e = &f->ring[(f->head + i) % f->maxlen];
+        PyObject *item = Py_BuildValue("(OLLLO)", e->site, e->id, e->start_ns, e->end_ns, e->error);
+        if (item == NULL) {
+            Py_CLEAR(list);
+        }
+        else {
+            PyList_SET_ITEM(list, i, item);
+        }
+    }
+    return list;
+}
+
+static PyObject *
+finished_iter(FinishedCalls *f)
+{
+    PyObject *list = finished_list(f);
+    PyObject *it = list != NULL ? PyObject_GetIter(list) : NULL;
+    Py_XDECREF(list);
+    return it;
+}
+
+static Py_ssize_t
+finished_len(FinishedCalls *f)
+{
+    return f->count;
+}
+
+static PyObject *
+finished_maxlen(FinishedCalls *f, void *closure)
+{
+    return PyLong_FromSsize_t(f->maxlen);
+}
+
+static int
+finished_traverse(FinishedCalls *f, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = 0; i < f->count; i++) {
+        finished_entry *e = &f->ring[(f->head + i) % f->maxlen];
+        Py_VISIT(e->site);
+        Py_VISIT(e->error);
+    }
+    return 0;
+}
+
+static int
+finished_tp_clear(FinishedCalls *f)
+{
+    finished_entry *ring = PyMem_Malloc(sizeof(finished_entry) * (size_t)(f->maxlen ? f->maxlen : 1));
+    if (ring == NULL || finished_set(f, ring, f->maxlen, 0) < 0) {
+        PyErr_Clear();  /* no memory: the entries stay (a later clear or the dealloc releases them) */
+    }
+    return 0;
+}
+
+static void
+finished_dealloc(FinishedCalls *f)
+{
+    PyObject_GC_UnTrack(f);
+    Py_ssize_t count = f->count;
+    f->count = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        entries_release(&f->ring[(f->head + i) % f->maxlen], 1);
+    }
+    PyMem_Free(f->ring);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyMethodDef finished_methods[] = {
+    {"append", (PyCFunction)finished_append, METH_O, finished_append_doc},
+    {"resize", (PyCFunction)finished_resize_method, METH_O, finished_resize_doc},
+    {"clear", (PyCFunction)finished_clear_method, METH_NOARGS, finished_clear_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef finished_getset[] = {
+    {"maxlen", (getter)finished_maxlen, NULL, "how many calls it keeps", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods finished_as_sequence = {.sq_length = (lenfunc)finished_len};
+
+static PyTypeObject FinishedCallsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rpc_observe.hooks._core.FinishedCalls",
+    .tp_doc = "FinishedCalls(maxlen): the last finished calls, oldest first (calls.FinishedCalls is its reference).",
+    .tp_basicsize = sizeof(FinishedCalls),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = finished_new,
+    .tp_dealloc = (destructor)finished_dealloc,
+    .tp_traverse = (traverseproc)finished_traverse,
+    .tp_clear = (inquiry)finished_tp_clear,
+    .tp_iter = (getiterfunc)finished_iter,
+    .tp_methods = finished_methods,
+    .tp_getset = finished_getset,
+    .tp_as_sequence = &finished_as_sequence,
+};
+
 /* An attribute that must be there; NULL (with the AttributeError) if not. */
 #define GET(obj, name) PyObject_GetAttr((obj), (name))
 
@@ -774,8 +1036,11 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
     /* Call.finish, inline, for a successful call no profiler has seen (tests/unit/test_endings.py). */
     long long start_ns = fields->start_ns;
     span = CALL_FIELD(fields, span);
-    if ((rec = Py_BuildValue("(OOLLO)", site, t->call_id, start_ns, end_ns, Py_None)) == NULL ||
-        (done = PyObject_CallOneArg(refs.finished_append, rec)) == NULL) {
+    if (Py_IS_TYPE(refs.finished, &FinishedCallsType)) {
+        finished_push((FinishedCalls *)refs.finished, site, fields->id, start_ns, end_ns, Py_None);
+    }
+    else if ((rec = Py_BuildValue("(OOLLO)", site, t->call_id, start_ns, end_ns, Py_None)) == NULL ||
+             (done = PyObject_CallMethodOneArg(refs.finished, s_append, rec)) == NULL) {
         goto done;
     }
     Py_CLEAR(rec);
@@ -1233,7 +1498,7 @@ static struct {
 } span_refs;
 
 static PyObject *s_fast_propagation, *s_parent_based, *s_serving_attr, *s_tracer_provider, *s_end_ns, *s_queue,
-    *s_max_queue, *s_append, *s_sampled_attr, *s_limiter, *s_root_bound, *s_propagates, *s_span_id_attr,
+    *s_max_queue, *s_sampled_attr, *s_limiter, *s_root_bound, *s_propagates, *s_span_id_attr,
     *s_trace_id_attr;
 static PyObject *s_start_client;  /* interned with the invoke hook's names, below */
 
@@ -1691,7 +1956,7 @@ configure_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     struct { PyObject **slot; const char *text; } names[] = {
         {&s_fast_propagation, "_fast_propagation"}, {&s_parent_based, "_parent_based"}, {&s_serving_attr, "serving"},
         {&s_tracer_provider, "_TRACER_PROVIDER"}, {&s_end_ns, "end_ns"}, {&s_queue, "_queue"},
-        {&s_max_queue, "_max_queue"}, {&s_append, "append"}, {&s_sampled_attr, "sampled"},
+        {&s_max_queue, "_max_queue"}, {&s_sampled_attr, "sampled"},
         {&s_limiter, "_limiter"}, {&s_root_bound, "_root_bound"}, {&s_propagates, "_propagates"},
         {&s_span_id_attr, "span_id"}, {&s_trace_id_attr, "trace_id"},
     };
@@ -3062,7 +3327,8 @@ PyInit__core(void)
         (hook_refs.where_deserialize == NULL &&
          (hook_refs.where_deserialize = PyUnicode_InternFromString("deserialize")) == NULL) ||
         intern_run_names() < 0 || intern_invoke_names() < 0 || PyType_Ready(&HookType) < 0 ||
-        PyType_Ready(&RecordsType) < 0 || PyType_Ready(&CallBaseType) < 0) {
+        PyType_Ready(&RecordsType) < 0 || PyType_Ready(&CallBaseType) < 0 ||
+        PyType_Ready(&FinishedCallsType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&core_module);
@@ -3072,6 +3338,7 @@ PyInit__core(void)
     if (PyModule_AddObjectRef(module, "Hook", (PyObject *)&HookType) < 0 ||
         PyModule_AddObjectRef(module, "Records", (PyObject *)&RecordsType) < 0 ||
         PyModule_AddObjectRef(module, "CallBase", (PyObject *)&CallBaseType) < 0 ||
+        PyModule_AddObjectRef(module, "FinishedCalls", (PyObject *)&FinishedCallsType) < 0 ||
         PyModule_AddIntConstant(module, "SERIALIZE", SERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "RUN_FUNCTION", RUN_FUNCTION) < 0 ||

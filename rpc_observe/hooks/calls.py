@@ -30,7 +30,7 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.autograd import _profiler_enabled
@@ -65,9 +65,36 @@ Error = tuple[str, str]  # (error.type, message)
 # The UDF each thread runs, by thread id: (ServerSite, the caller's call id text, start ns, trace id or 0).
 Served = tuple["ServerSite", str, int, int]
 serving: dict[int, Served] = {}
-# The last finished calls, oldest first: (ClientSite, call id, start ns, end ns, error.type or None).
+# A finished call: (ClientSite, call id, start ns, end ns, error.type or None).
 Finished = tuple["ClientSite", int, int, int, "str | None"]
-finished: collections.deque[Finished] = collections.deque(maxlen=1000)
+
+
+class FinishedCalls:
+    """The last `maxlen` finished calls, oldest first: the reference of `_core.FinishedCalls`, where the echoed
+    ending keeps a call's numbers without a tuple. One object for the process's life (the C paths hold it)."""
+
+    def __init__(self, maxlen: int) -> None:
+        self._calls: collections.deque[Finished] = collections.deque(maxlen=maxlen)
+
+    def append(self, finished: Finished, /) -> None:
+        self._calls.append(finished)
+
+    def resize(self, maxlen: int, /) -> None:
+        """Keeps the newest `maxlen` calls, and that many from now on."""
+        self._calls = collections.deque(self._calls, maxlen=maxlen)
+
+    def clear(self) -> None:
+        self._calls.clear()
+
+    @property
+    def maxlen(self) -> int:
+        return self._calls.maxlen or 0
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __iter__(self) -> Iterator[Finished]:
+        return iter(list(self._calls))
 
 
 # A call's fields, in a C struct where the core is built (`_core.CallBase`: its hot paths read them with no
@@ -82,6 +109,8 @@ class _CallFields:
 _core = native.load("_core")
 NO_MORE_FIELDS: tuple[str, ...] = ()  # a name, not a literal: type checkers take the fields from the annotations
 _CallBase: type = _core.CallBase if _core is not None else _CallFields
+# The last finished calls (RPC_OBSERVE_RECORDER_SIZE of them: hooks.attach resizes it).
+finished: FinishedCalls = (_core.FinishedCalls if _core is not None else FinishedCalls)(1000)
 
 
 def _current_call() -> Call | None:

@@ -41,7 +41,7 @@ _tuple_new = tuple.__new__
 _thread_id = threading.get_ident
 _local, _in_flight, _next_id, _pending_replies = calls.local, calls.in_flight, calls.next_id, calls.pending_replies
 _current_call = calls.current_call
-_finished_append = calls.finished.append
+_finished_append = calls.finished.append  # calls.finished is one object for the process's life
 _MAX_IN_FLIGHT = calls.MAX_IN_FLIGHT
 # The trailer codec (in C where built; trailer.py has the references).
 _parse, _request_trailer, _response_trailer = trailer.parse, trailer.request_trailer, trailer.response_trailer
@@ -170,7 +170,7 @@ def _serialize_other(runtime: Runtime, obj: Any, data: bytes, tensors: list[Any]
 def configure_core(time_ns: Callable[[], int], perf_counter: Callable[[], float]) -> None:
     """Hands the C hot paths the tables and functions they use, and their clocks (a test's, in tests)."""
     if _core is not None:
-        _core.configure(_in_flight, _finished_append, fold_message, fold_split, fold_finished, RemoteException,
+        _core.configure(_in_flight, calls.finished, fold_message, fold_split, fold_finished, RemoteException,
                         PythonUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns,
                         _next_id, _pending_replies, _MAX_IN_FLIGHT)
         _core.configure_hooks(_runtime, perf_counter, health.internal_error, _on_other_message, _serialize_other)

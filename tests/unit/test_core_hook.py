@@ -229,7 +229,7 @@ def test_invoke_rpc_hook_hands_back_torch_futures_and_errors(metrics_runtime: ru
     assert calls.current_call() is None  # put back as it was
     (call,) = calls.in_flight.values()
     future.set_result(3)  # its done-callback ends it
-    assert not calls.in_flight and calls.finished[-1][4] is None
+    assert not calls.in_flight and list(calls.finished)[-1][4] is None
     error = ConnectionError("torch's")
 
     def raising(to: Any, func: Any, rpc_type: Any, *args: Any, **kwargs: Any) -> Any:
@@ -237,6 +237,6 @@ def test_invoke_rpc_hook_hands_back_torch_futures_and_errors(metrics_runtime: ru
 
     with pytest.raises(ConnectionError) as raised:
         core.Hook(raising, core.INVOKE_RPC)("worker1", noop, RPCExecMode.SYNC, args=(2,))
-    assert raised.value is error and calls.finished[-1][4] == "ConnectionError"
+    assert raised.value is error and list(calls.finished)[-1][4] == "ConnectionError"
     assert calls.current_call() is None and health.internal_errors == {}
     calls.finished.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import gc
 import itertools
+import random
 import sys
 import threading
 import time
@@ -361,6 +362,68 @@ def test_the_call_being_sent_is_the_threads_own(way: str) -> None:
     assert seen == [None, theirs] and get() is mine
     put(None)
     assert get() is None and sys.getrefcount(mine) == held
+
+
+@needs_core
+@pytest.mark.parametrize("seed", range(5))
+def test_the_c_ring_of_finished_calls_is_its_reference(seed: int) -> None:
+    """`_core.FinishedCalls` against `calls.FinishedCalls` on the same random appends, resizes (0 included) and
+    clears: the same calls in the same order, length and maxlen after every step, and no reference kept of a call
+    that left."""
+    assert trailer.core is not None
+    rng = random.Random(seed)
+    sites = [object() for _ in range(4)]
+    unheld = [sys.getrefcount(site) for site in sites]
+    rings = [calls.FinishedCalls(rng.randrange(0, 6)), trailer.core.FinishedCalls(0)]
+    rings[1].resize(rings[0].maxlen)
+    for _ in range(2_000):
+        step = rng.random()
+        if step < 0.8:
+            item = (rng.choice(sites), rng.choice([0, 1, 2**63 - 1, rng.randrange(10**6)]),
+                    rng.randrange(-2**63, 2**63), rng.randrange(2**62), rng.choice([None, "timeout", "é"]))
+            for ring in rings:
+                ring.append(item)
+        elif step < 0.95:
+            size = rng.randrange(0, 8)
+            for ring in rings:
+                ring.resize(size)
+        else:
+            for ring in rings:
+                ring.clear()
+        assert list(rings[0]) == list(rings[1]) and len(rings[0]) == len(rings[1])
+        assert rings[0].maxlen == rings[1].maxlen
+    for ring in rings:
+        ring.clear()
+    del item
+    assert [sys.getrefcount(site) for site in sites] == unheld
+    c_ring = rings[1]
+    with pytest.raises(TypeError):
+        c_ring.append(("site", 1, 2))  # type: ignore[arg-type]
+    with pytest.raises(OverflowError):
+        c_ring.append(("site", 2**64, 0, 0, None))
+    with pytest.raises(ValueError):
+        c_ring.resize(-1)
+
+
+@needs_core
+def test_a_resized_flight_recorder_keeps_the_calls_the_c_core_ends(world: runtime.Runtime) -> None:
+    """RPC_OBSERVE_RECORDER_SIZE resizes the one ring the C ending writes to (it once kept appending to a deque the
+    recorder no longer read): the newest calls, as many as the size says."""
+    assert trailer.core is not None
+    site = ClientSite(world, noop, "sync", "worker1")
+    hook = trailer.core.Hook(lambda self, d, t: {"a": 1}, trailer.core.DESERIALIZE)
+    calls.finished.resize(3)
+    try:
+        ids = []
+        for _ in range(5):
+            call = calls.Call(world, site)
+            call.id = calls.next_id()
+            calls.in_flight[call.id] = call
+            hook(None, b"RESULT." + trailer.response_trailer(str(call.id)), [])
+            ids.append(call.id)
+        assert [finished[1] for finished in calls.finished] == ids[-3:] and calls.finished.maxlen == 3
+    finally:
+        calls.finished.resize(1000)
 
 
 @needs_core
