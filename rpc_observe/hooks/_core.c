@@ -390,7 +390,6 @@ static struct {
     PyObject *not_handled;  /* what `handle` returns for the general path */
     PyObject *time_ns;  /* time.time_ns (a test's clock in tests) */
     PyObject *next_id;  /* calls.next_id */
-    PyObject *pending_replies;  /* calls.pending_replies */
     Py_ssize_t max_in_flight;  /* calls.MAX_IN_FLIGHT */
 } refs;
 
@@ -419,6 +418,76 @@ set_current_call(PyObject *module, PyObject *call)
 {
     Py_XSETREF(thread_call, call != Py_None ? Py_NewRef(call) : NULL);
     Py_RETURN_NONE;
+}
+
+/* The reply this thread owes (calls.pending_replies is its reference): the site of the UDF it ran, the caller's call
+ * id text ("": no echo) and the request's start (perf_counter; 0.0: not known), set where the run ends and taken
+ * where its response is pickled, next on the same thread (torch pickles a UDF's response where it ran it). site NULL:
+ * none. A C thread local, where a dict keyed by thread id takes an int, a tuple and two lookups a reply. */
+static __thread struct {
+    PyObject *site, *echo;  /* strong */
+    double request_start;
+} pending_reply;
+
+/* Owes this reply now (references added); what was owed before is dropped (its UDF's response never came here). */
+static void
+owe_reply(PyObject *site, PyObject *echo, double request_start)
+{
+    PyObject *old_site = pending_reply.site, *old_echo = pending_reply.echo;
+    pending_reply.site = Py_NewRef(site);
+    pending_reply.echo = Py_NewRef(echo);
+    pending_reply.request_start = request_start;
+    Py_XDECREF(old_site);
+    Py_XDECREF(old_echo);
+}
+
+/* Takes the reply owed (its references move to the caller): 1, or 0 if none. */
+static int
+take_reply(PyObject **site, PyObject **echo, double *request_start)
+{
+    if (pending_reply.site == NULL) {
+        return 0;
+    }
+    *site = pending_reply.site, *echo = pending_reply.echo, *request_start = pending_reply.request_start;
+    pending_reply.site = pending_reply.echo = NULL;
+    return 1;
+}
+
+PyDoc_STRVAR(set_pending_reply_doc,
+"set_pending_reply(site, echo, request_start, /)\n--\n\n"
+"This thread owes the reply of the UDF it ran (calls.set_pending_reply).");
+
+static PyObject *
+set_pending_reply(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    double request_start = nargs == 3 ? PyFloat_AsDouble(args[2]) : -1.0;
+    if (nargs != 3 || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "set_pending_reply(site, echo: str, request_start: float)");
+        return NULL;
+    }
+    if (request_start == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    owe_reply(args[0], args[1], request_start);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(take_pending_reply_doc,
+"take_pending_reply()\n--\n\n"
+"The reply this thread owes, taken: (site, echo, request start), or None (calls.take_pending_reply).");
+
+static PyObject *
+take_pending_reply(PyObject *module, PyObject *unused)
+{
+    PyObject *site, *echo;
+    double request_start;
+    if (!take_reply(&site, &echo, &request_start)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *reply = Py_BuildValue("(OOd)", site, echo, request_start);
+    Py_DECREF(site);
+    Py_DECREF(echo);
+    return reply;
 }
 
 static PyObject *s_append, *s_record, *s_response_cells, *s_received, *s_cells, *s_profiler, *s_armed,
@@ -482,7 +551,7 @@ clock_ns(clockid_t id)
 
 PyDoc_STRVAR(configure_doc,
 "configure(in_flight, finished, fold_message, fold_split, fold_finished, remote_exception, python_udf,\n"
-"          request_cells, finish_call, not_handled, time_ns, next_id, pending_replies, max_in_flight, /)\n--\n\n"
+"          request_cells, finish_call, not_handled, time_ns, next_id, max_in_flight, /)\n--\n\n"
 "Hands the hot paths their tables and functions (pickler.py calls it once, at import).");
 
 static PyObject *
@@ -491,14 +560,14 @@ configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject **slots[] = {&refs.in_flight, &refs.finished, &refs.fold_message, &refs.fold_split,
                           &refs.fold_finished, &refs.remote_exception, &refs.python_udf,
                           &refs.request_cells, &refs.finish_call, &refs.not_handled, &refs.time_ns,
-                          &refs.next_id, &refs.pending_replies};
+                          &refs.next_id};
     Py_ssize_t count = (Py_ssize_t)(sizeof(slots) / sizeof(slots[0]));
     if (nargs != count + 1) {
-        PyErr_SetString(PyExc_TypeError, "configure takes 14 arguments");
+        PyErr_SetString(PyExc_TypeError, "configure takes 13 arguments");
         return NULL;
     }
-    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyDict_Check(args[12])) {
-        PyErr_SetString(PyExc_TypeError, "configure: in_flight and pending_replies must be dicts, the classes types");
+    if (!PyDict_Check(args[0]) || !PyType_Check(args[5]) || !PyType_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "configure: in_flight must be a dict, the classes types");
         return NULL;
     }
     Py_ssize_t max_in_flight = PyLong_AsSsize_t(args[count]);
@@ -1258,17 +1327,9 @@ done:
 
 /* The response of the UDF this thread ran: the echo and the callee's time, and its message record. */
 static PyObject *
-send_response(PyObject *reply, PyObject *data, PyObject *tensors, double start, double seconds)
+send_response(PyObject *site, PyObject *echo, double request_start, PyObject *data, PyObject *tensors, double start,
+              double seconds)
 {
-    if (!PyTuple_Check(reply) || PyTuple_GET_SIZE(reply) != 3) {
-        PyErr_SetString(PyExc_TypeError, "a pending reply is (site, call id, request start)");
-        return NULL;
-    }
-    PyObject *site = PyTuple_GET_ITEM(reply, 0), *echo = PyTuple_GET_ITEM(reply, 1);
-    double request_start = PyFloat_AsDouble(PyTuple_GET_ITEM(reply, 2));
-    if (request_start == -1.0 && PyErr_Occurred()) {
-        return NULL;
-    }
     PyObject *message = NULL, *callee = NULL, *record = NULL, *cells = NULL, *result = NULL;
     int echoed = PyObject_IsTrue(echo);
     if (echoed < 0) {
@@ -1320,20 +1381,14 @@ serialized(PyObject *runtime, PyObject *obj, PyObject *data, PyObject *tensors, 
             return result;
         }
     }
-    PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());  /* threading.get_ident() */
-    if (thread == NULL) {
-        return NULL;
+    PyObject *site, *echo;
+    double request_start;
+    if (!take_reply(&site, &echo, &request_start)) {
+        return Py_NewRef(refs.not_handled);  /* an RRef fetch's reply, or not ours */
     }
-    PyObject *reply = PyDict_GetItemWithError(refs.pending_replies, thread);
-    if (reply == NULL) {
-        Py_DECREF(thread);
-        return PyErr_Occurred() ? NULL : Py_NewRef(refs.not_handled);  /* an RRef fetch's reply, or not ours */
-    }
-    Py_INCREF(reply);
-    int deleted = PyDict_DelItem(refs.pending_replies, thread);
-    Py_DECREF(thread);
-    PyObject *result = deleted < 0 ? NULL : send_response(reply, data, tensors, start, seconds);
-    Py_DECREF(reply);
+    PyObject *result = send_response(site, echo, request_start, data, tensors, start, seconds);
+    Py_DECREF(site);
+    Py_DECREF(echo);
     return result;
 }
 
@@ -2201,11 +2256,8 @@ run_end(PyObject *runtime, PyObject *result, run_state *r)
         return reply;
     }
     /* (site, the caller's call id or "", the request's start: 0.0 without fields) */
-    PyObject *pending = Py_BuildValue("(OOd)", r->site, r->fields != Py_None ? PyList_GET_ITEM(r->fields, 3) : s_empty,
-                                      r->request_start);
-    int failed = pending == NULL || PyDict_SetItem(refs.pending_replies, r->thread, pending) < 0;
-    Py_XDECREF(pending);
-    return failed ? -1 : 0;
+    owe_reply(r->site, r->fields != Py_None ? PyList_GET_ITEM(r->fields, 3) : s_empty, r->request_start);
+    return 0;
 }
 
 /* internal._run_function(python_udf), wrapped: server.py's `_run_function`, step for step. */
@@ -3303,6 +3355,8 @@ static PyMethodDef core_methods[] = {
     {"new_call", (PyCFunction)(void (*)(void))new_call, METH_FASTCALL, new_call_doc},
     {"current_call", current_call, METH_NOARGS, current_call_doc},
     {"set_current_call", set_current_call, METH_O, set_current_call_doc},
+    {"set_pending_reply", (PyCFunction)(void (*)(void))set_pending_reply, METH_FASTCALL, set_pending_reply_doc},
+    {"take_pending_reply", take_pending_reply, METH_NOARGS, take_pending_reply_doc},
     {"configure_fold", (PyCFunction)(void (*)(void))configure_fold, METH_FASTCALL, configure_fold_doc},
     {"configure_spans", (PyCFunction)(void (*)(void))configure_spans, METH_FASTCALL, configure_spans_doc},
     {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},

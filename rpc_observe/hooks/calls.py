@@ -56,6 +56,7 @@ next_id = itertools.count(1).__next__
 # The site and caller's call id of the UDF whose response is pickled next on a thread, by
 # thread id: torch's pool threads get a fresh Python thread state (and an empty
 # threading.local) every time they take the GIL, between running a UDF and pickling its response.
+# The reference of the C core's thread local (set_pending_reply / take_pending_reply, below).
 pending_replies: dict[int, tuple[ServerSite, str, float]] = {}  # (site, caller's call id, request's perf_counter)
 _sweep_lock = threading.Lock()
 _time_ns = time.time_ns
@@ -125,6 +126,22 @@ def _set_current_call(call: Call | None) -> None:
 # pickled): a C thread local where the core is built; the functions above are its reference.
 current_call: Callable[[], Call | None] = _core.current_call if _core is not None else _current_call
 set_current_call: Callable[[Call | None], None] = _core.set_current_call if _core is not None else _set_current_call
+
+
+def _set_pending_reply(site: ServerSite, echo: str, request_start: float) -> None:
+    pending_replies[_get_ident()] = (site, echo, request_start)
+
+
+def _take_pending_reply() -> tuple[ServerSite, str, float] | None:
+    return pending_replies.pop(_get_ident(), None)
+
+
+# The reply a thread owes, set where its UDF's run ends, taken where the response is pickled (the caller's call id
+# echoed, "" for none; the request's perf_counter, 0.0 if not known): a C thread local where the core is built.
+set_pending_reply: Callable[[ServerSite, str, float], None] = (_core.set_pending_reply if _core is not None
+                                                               else _set_pending_reply)
+take_pending_reply: Callable[[], tuple[ServerSite, str, float] | None] = (_core.take_pending_reply
+                                                                          if _core is not None else _take_pending_reply)
 
 
 class Call(_CallBase):  # the base is chosen at import

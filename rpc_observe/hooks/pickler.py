@@ -39,8 +39,8 @@ _perf_counter = time.perf_counter
 _time_ns = time.time_ns
 _tuple_new = tuple.__new__
 _thread_id = threading.get_ident
-_local, _in_flight, _next_id, _pending_replies = calls.local, calls.in_flight, calls.next_id, calls.pending_replies
-_current_call = calls.current_call
+_local, _in_flight, _next_id = calls.local, calls.in_flight, calls.next_id
+_current_call, _take_pending_reply = calls.current_call, calls.take_pending_reply
 _finished_append = calls.finished.append  # calls.finished is one object for the process's life
 _MAX_IN_FLIGHT = calls.MAX_IN_FLIGHT
 # The trailer codec (in C where built; trailer.py has the references).
@@ -172,7 +172,7 @@ def configure_core(time_ns: Callable[[], int], perf_counter: Callable[[], float]
     if _core is not None:
         _core.configure(_in_flight, calls.finished, fold_message, fold_split, fold_finished, RemoteException,
                         PythonUDF, _request_cells, _finish_echoed, _NOT_HANDLED, time_ns,
-                        _next_id, _pending_replies, _MAX_IN_FLIGHT)
+                        _next_id, _MAX_IN_FLIGHT)
         _core.configure_hooks(_runtime, perf_counter, health.internal_error, _on_other_message, _serialize_other)
         _core.configure_fold(fold_message, fold_started, fold_finished, fold_split, fold_served, SIZE_BUCKETS,
                              COUNT_BUCKETS, LATENCY_BUCKETS, SERIALIZATION_BUCKETS, MessageCells, ClientCells,
@@ -215,7 +215,7 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
                     call.id = call_id
                     _in_flight[call_id] = call
                 return data + tail, tensors
-            reply = _pending_replies.pop(_thread_id(), None)
+            reply = _take_pending_reply()
             if reply is None:
                 return _serialize_other(runtime, obj, data, tensors, seconds)
             served, echo, request_start = reply  # the response of a UDF this thread just ran

@@ -21,7 +21,7 @@ from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import MessageCells, Record, ServerCells, fold_served
 from ..telemetry.tracing import SpanRecord
 from . import trailer
-from .calls import future_error, pending_replies, remote_error, serving
+from .calls import future_error, remote_error, serving, set_pending_reply
 from .naming import PROXY_FUNCTIONS, is_internal, method_name, profiling_key, proxy_method, span_attributes
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Serving:
         try:
             if error is None and self.site.replies_later:
                 # torch pickles the value in a callback it adds after this one, on this thread: name its response.
-                pending_replies[_thread_id()] = (self.site, "", 0.0)
+                set_pending_reply(self.site, "", 0.0)
             self.finish(type(error).__name__ if error is not None else None,
                         str(error) if error is not None else None)
         except Exception:
@@ -132,8 +132,10 @@ def _end_other(runtime: Runtime, site: ServerSite, start_ns: int, span: Any, pro
     error = remote_error(result)
     Serving(runtime, site, start_ns, span, tid).finish(*(error or (None, None)))
     if site.replies:
-        pending_replies[_thread_id()] = ((site, fields[_CALL_ID], request_start) if fields is not None
-                                         else (site, "", 0.0))
+        if fields is not None:
+            set_pending_reply(site, fields[_CALL_ID], request_start)
+        else:
+            set_pending_reply(site, "", 0.0)
 
 
 _core = trailer.core  # the C Hook where built (hooks/_core.c); `_run_function` below is its reference
@@ -206,8 +208,10 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
             if span is not None:
                 tracer.end(span, end_ns)  # type: ignore[union-attr]  # a span implies a tracer
             if site.replies:
-                pending_replies[_thread_id()] = ((site, fields[_CALL_ID], getattr(python_udf, "rpc_observe_start", 0.0))
-                                                 if fields is not None else (site, "", 0.0))
+                if fields is not None:
+                    set_pending_reply(site, fields[_CALL_ID], getattr(python_udf, "rpc_observe_start", 0.0))
+                else:
+                    set_pending_reply(site, "", 0.0)
         except Exception:
             health.internal_error("server_end")
         return result

@@ -87,7 +87,7 @@ def test_its_own_errors_are_counted_and_torch_gets_its_object(metrics_runtime: r
     assert tuple(out) == tuple(udf)
     assert health.internal_errors == {"deserialize": 1}
     assert "broken record" in caplog.text  # the traceback of the exception, as an except block logs it
-    calls.pending_replies.clear()
+    calls.take_pending_reply()
     health.internal_errors.clear()
 
 
@@ -106,7 +106,8 @@ def test_run_function_hook_restores_the_thread_and_passes_torch_errors(metrics_r
         udf.rpc_observe_start = 0.0
         assert hook(udf) == ("ran", (3,))
         assert calls.serving[thread] is outer
-        assert calls.pending_replies.pop(thread)[1] == "7"  # the response echoes the caller's call id
+        reply = calls.take_pending_reply()
+        assert reply is not None and reply[1] == "7"  # the response echoes the caller's call id
         error = ValueError("the UDF's own")
 
         def raising(udf: Any) -> Any:
@@ -122,7 +123,7 @@ def test_run_function_hook_restores_the_thread_and_passes_torch_errors(metrics_r
         assert health.internal_errors == {}
     finally:
         calls.serving.pop(thread, None)
-        calls.pending_replies.clear()
+        calls.take_pending_reply()
 
 
 def test_run_function_hook_counts_its_own_errors(metrics_runtime: runtime.Runtime,
@@ -202,7 +203,7 @@ def test_the_core_keeps_no_object_per_call(tmp_path: Any, spans: bool, queue: st
             if i % 1000 == 0:
                 drained()
         assert drained() - before < 100  # not one per call
-        assert not calls.in_flight and not calls.pending_replies and not calls.serving
+        assert not calls.in_flight and calls.take_pending_reply() is None and not calls.serving
         assert health.internal_errors == {}
     finally:
         runtime.current = None

@@ -90,7 +90,7 @@ def traced(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[runtime.R
     runtime.current = rt
     yield rt
     runtime.current = None
-    calls.pending_replies.clear()
+    calls.take_pending_reply()
     rt.close()
 
 
@@ -313,7 +313,7 @@ def test_a_full_span_queue_drops_and_counts_either_way(tmp_path: Path, c_server:
         assert outcomes[0] == outcomes[1] == (2, 3, [True, True])
     finally:
         runtime.current = None
-        calls.pending_replies.clear()
+        calls.take_pending_reply()
         rt.close()
 
 

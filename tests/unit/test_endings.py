@@ -166,7 +166,7 @@ def test_the_plain_udf_ending_is_serving_finish(world: runtime.Runtime, codec: s
     monkeypatch.setattr(pickler, "_time_ns", server._time_ns)  # the C Hook's clock (the codec fixture)
     udf = _udf("7", context)
     assert server.wrap_run_function(lambda python_udf: obj)(udf) is obj
-    calls.pending_replies.clear()  # the response's echo: not part of the ending
+    calls.take_pending_reply()  # the response's echo: not part of the ending
     fast = _effects(world)
 
     key = (noop, "worker1", "sync")
@@ -261,10 +261,10 @@ def test_the_response_fast_path_in_c_is_the_python_one(world: runtime.Runtime, m
     site = server.ServerSite(world, noop, "worker1", "sync")
 
     def before() -> None:
-        calls.pending_replies[pickler._thread_id()] = (site, echo, request_start)
+        calls.set_pending_reply(site, echo, request_start)
 
     python, c = _serialize_both_ways(world, monkeypatch, {"a": 1}, before)
-    assert python == c and not calls.pending_replies
+    assert python == c and calls.take_pending_reply() is None
     data, _, effects = python
     assert data.endswith(trailer.MAGIC) is bool(echo)
     if echo:
@@ -304,6 +304,41 @@ def test_a_call_made_in_c_is_the_call_python_makes(world: runtime.Runtime, monke
     finally:
         calls.serving.pop(thread, None)
         pickler.configure_core(time.time_ns, time.perf_counter)
+
+
+@pytest.mark.parametrize("way", ["c", "python"])
+def test_the_reply_a_thread_owes_is_its_own(way: str) -> None:
+    """`calls.set_pending_reply` / `take_pending_reply` (a C thread local where the core is built) against their
+    reference, the table by thread id: each thread takes only what it was set, once; a second set replaces the
+    first, whose references are let go; a bad echo or start is refused by the C side."""
+    if way == "c" and trailer.core is None:
+        pytest.skip("the C core is not built here")
+    put, take = ((trailer.core.set_pending_reply, trailer.core.take_pending_reply) if way == "c"  # type: ignore[union-attr]
+                 else (calls._set_pending_reply, calls._take_pending_reply))
+    first, mine, theirs = object(), object(), object()
+    held = sys.getrefcount(first)
+    put(first, "1", 2.5)  # type: ignore[arg-type]
+    put(mine, "7", 19.5)  # type: ignore[arg-type]
+    assert sys.getrefcount(first) == held
+    seen: list[object] = []
+
+    def other() -> None:
+        seen.append(take())
+        put(theirs, "", 0.0)  # type: ignore[arg-type]
+        seen.append(take())
+        seen.append(take())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen == [None, (theirs, "", 0.0), None]
+    assert take() == (mine, "7", 19.5) and take() is None
+    if way == "c":
+        with pytest.raises(TypeError):
+            put(mine, 7, 1.0)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            put(mine, "7", "soon")  # type: ignore[arg-type]
+        assert take() is None
 
 
 @needs_core
@@ -490,7 +525,7 @@ def test_records_pushed_in_c_fold_as_the_tuples_python_makes(tmp_path: Path, cod
                 request = b"PICKLE." + trailer.request_trailer(trailer.request_head("worker1", "sync"), i)
                 udf = pickler.wrap_deserialize(lambda self, d, t: PythonUDF(noop, (), {}))(None, request, [])
                 server.wrap_run_function(lambda python_udf: None)(udf)
-                calls.pending_replies.clear()
+                calls.take_pending_reply()
             assert type(rt.metrics._records) is (trailer.core.Records if queue == "records" else collections.deque)
             assert len(rt.metrics._records) > 120
             rt.metrics.fold_records = fold
@@ -534,7 +569,7 @@ def test_a_request_unpickled_and_run_in_c_is_the_python_one(world: runtime.Runti
         pickler.configure_core(lambda: pickler._time_ns(), lambda: pickler._perf_counter())
         udf = pickler.wrap_deserialize(lambda self, d, t: PythonUDF(noop, (), {}))(None, request, [])
         assert server.wrap_run_function(lambda python_udf: obj)(udf) is obj
-        pending = calls.pending_replies.pop(pickler._thread_id())
+        pending = calls.take_pending_reply()
         ways.append((pending, _effects(world, messages=True)))
     pickler.configure_core(time.time_ns, time.perf_counter)
     assert ways[0] == ways[1]
