@@ -1820,10 +1820,21 @@ end_span(PyObject *tracer, PyObject *span, long long end_ns)
     return done != NULL ? 0 : -1;
 }
 
+/* The thread's id as an int, made the first time it is needed (`*thread`, owned by the caller); NULL with an error. */
+static PyObject *
+thread_key(PyObject **thread, unsigned long ident)
+{
+    if (*thread == NULL) {
+        *thread = PyLong_FromUnsignedLong(ident);
+    }
+    return *thread;
+}
+
 /* tracer.start_client(name, attributes, start): inline for a call made while this thread serves a UDF (its SERVER
  * span is the parent) or with no current OpenTelemetry span and a ratio sampler (a root); else the method. */
 static PyObject *
-start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObject *start, PyObject *thread)
+start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObject *start, PyObject **thread,
+                  unsigned long ident)
 {
     PyObject *serving = NULL, *parent = NULL, *context = NULL, *limiter = NULL, *span = NULL;
     if (span_refs.span_type == NULL || (serving = PyObject_GetAttr(tracer, s_serving_attr)) == NULL ||
@@ -1831,7 +1842,10 @@ start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
         goto general;
     }
     if (PyDict_GET_SIZE(serving)) {
-        parent = PyDict_GetItemWithError(serving, thread);  /* borrowed */
+        if (thread_key(thread, ident) == NULL) {
+            goto done;
+        }
+        parent = PyDict_GetItemWithError(serving, *thread);  /* borrowed */
         if (parent == NULL && PyErr_Occurred()) {
             goto done;
         }
@@ -2361,10 +2375,8 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     /* the UDF this call waits inside, if any */
     PyObject *parent = NULL;
     if (PyDict_GET_SIZE(hook_refs.serving)) {
-        if ((thread = PyLong_FromUnsignedLong(call->thread)) == NULL) {
-            goto failed;
-        }
-        if ((parent = PyDict_GetItemWithError(hook_refs.serving, thread)) == NULL && PyErr_Occurred()) {
+        if (thread_key(&thread, call->thread) == NULL ||
+            ((parent = PyDict_GetItemWithError(hook_refs.serving, thread)) == NULL && PyErr_Occurred())) {
             goto failed;
         }
     }
@@ -2375,10 +2387,7 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (tracer != Py_None) {
         PyObject *name = PyObject_GetAttr(site, s_span_name), *attributes = PyObject_GetAttr(site, s_attributes);
         PyObject *start = name != NULL && attributes != NULL ? PyLong_FromLongLong(call->start_ns) : NULL;
-        if (start != NULL && thread == NULL) {
-            thread = PyLong_FromUnsignedLong(call->thread);
-        }
-        call->span = start != NULL && thread != NULL ? start_client_span(tracer, name, attributes, start, thread) : NULL;
+        call->span = start != NULL ? start_client_span(tracer, name, attributes, start, &thread, call->thread) : NULL;
         Py_XDECREF(name);
         Py_XDECREF(attributes);
         Py_XDECREF(start);
