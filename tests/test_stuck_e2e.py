@@ -232,6 +232,23 @@ def test_unknown_paths_are_404_and_metrics_are_still_served(tmp_path):
         cluster.wait()
 
 
+def test_the_recorder_size_bounds_the_finished_calls_debug_rpc_shows(tmp_path):
+    """RPC_OBSERVE_RECORDER_SIZE on real workers: /debug/rpc lists the last N finished calls, the ones the C core
+    ends inline included (its ending once wrote to a table the recorder no longer read once N was set)."""
+    cluster = Cluster(tmp_path, "basic", env={"RPC_OBSERVE": "1", "RPC_OBSERVE_RECORDER_SIZE": "3"},
+                      rank_env={1: {"RPC_OBSERVE_RECORDER_SIZE": "1"}}, hold=True)
+    try:
+        cluster.wait_ready()
+        targets = cluster.targets()
+        assert len(debug_rpc(targets["worker0"])["finished"]) == 3  # basic made 17 calls: the newest 3 are kept
+        # worker1's one call: the nested rpc_sync to worker2, whose echoed response ends it inline (in C)
+        [finished] = debug_rpc(targets["worker1"])["finished"]
+        assert (finished["method"], finished["peer"], finished["mode"], finished["status"]) == (
+            "nested", "worker2", "sync", "ok"), finished
+    finally:
+        cluster.wait()
+
+
 def test_a_saturated_callee_shows_as_outside_time(tmp_path):
     cluster = Cluster(tmp_path, "split", env={"RPC_OBSERVE": "1"}, rank_env={1: {"SCENARIO_POOL": "1"}}, hold=True)
     _, scraped = cluster.scrape_held(workers=("worker0",))
