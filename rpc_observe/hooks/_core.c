@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <limits.h>
+#include <pthread.h>
 #include <string.h>
 #include <time.h>
 
@@ -489,6 +490,374 @@ take_pending_reply(PyObject *module, PyObject *unused)
     Py_DECREF(echo);
     return reply;
 }
+
+/* ---- The UDF each thread runs (calls.serving; a dict by thread id is its reference) ----
+ * An entry per thread: (ServerSite, the caller's call id text, start ns, trace id or 0), read by other threads (the
+ * flight recorder, a nested call's parent). A slot per thread in C, where the dict took a thread id int, a tuple, a
+ * start int and two writes of a table shared by every pool thread per run. Slots live in one list, changed and read
+ * under the GIL only; a thread finds its own through a thread local. A slot is never freed: an ended thread's empty
+ * slot is taken by the next thread that needs one, so there are at most as many as threads alive at once (plus any
+ * entries set by hand for an id no thread has). The `_core.serving` object is the dict-like view of them. */
+typedef struct serving_slot {
+    struct serving_slot *next;
+    unsigned long thread;
+    int adopted;  /* a thread's own (its thread local points here) */
+    int owner_gone;  /* that thread ended (set by its pthread key's destructor, without the GIL: atomic) */
+    PyObject *site, *call_id, *trace_id;  /* strong; site NULL: no entry */
+    long long start_ns;
+} serving_slot;
+
+static serving_slot *serving_slots;
+static Py_ssize_t serving_count;  /* slots with an entry */
+static __thread serving_slot *thread_slot;
+static pthread_key_t slot_key;
+static int slot_key_made;
+
+static void
+slot_owner_ended(void *slot)
+{
+    __atomic_store_n(&((serving_slot *)slot)->owner_gone, 1, __ATOMIC_RELEASE);
+}
+
+static int
+slot_free(serving_slot *s)
+{
+    return s->site == NULL && (!s->adopted || __atomic_load_n(&s->owner_gone, __ATOMIC_ACQUIRE));
+}
+
+/* The slot of `thread` (the dict's key), or NULL. */
+static serving_slot *
+slot_find(unsigned long thread)
+{
+    for (serving_slot *s = serving_slots; s != NULL; s = s->next) {
+        if (s->thread == thread && !(s->adopted && __atomic_load_n(&s->owner_gone, __ATOMIC_ACQUIRE) &&
+                                     s->site == NULL)) {
+            return s;
+        }
+    }
+    return NULL;
+}
+
+/* A slot for `thread`: its own, a free one renamed, or a new one; NULL with MemoryError. */
+static serving_slot *
+slot_make(unsigned long thread)
+{
+    serving_slot *s = slot_find(thread);
+    for (serving_slot *f = serving_slots; s == NULL && f != NULL; f = f->next) {
+        if (slot_free(f)) {
+            s = f;
+            s->adopted = 0;
+            s->thread = thread;
+        }
+    }
+    if (s == NULL) {
+        if ((s = PyMem_RawCalloc(1, sizeof(serving_slot))) == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        s->thread = thread;
+        s->next = serving_slots;  /* newest first; readers order entries by their start */
+        serving_slots = s;
+    }
+    return s;
+}
+
+/* This thread's slot, adopted the first time (its ended-thread destructor registered); NULL with an error. */
+static serving_slot *
+own_slot(void)
+{
+    if (thread_slot != NULL) {
+        return thread_slot;
+    }
+    if (!slot_key_made) {
+        if (pthread_key_create(&slot_key, slot_owner_ended) != 0) {
+            PyErr_SetString(PyExc_RuntimeError, "pthread_key_create failed");
+            return NULL;
+        }
+        slot_key_made = 1;
+    }
+    serving_slot *s = slot_make(PyThread_get_thread_ident());
+    if (s == NULL) {
+        return NULL;
+    }
+    if (pthread_setspecific(slot_key, s) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread_setspecific failed");
+        return NULL;
+    }
+    s->adopted = 1;
+    __atomic_store_n(&s->owner_gone, 0, __ATOMIC_RELEASE);
+    return thread_slot = s;
+}
+
+/* A slot's entry, as it was: what `slot_put` swaps out and puts back. */
+typedef struct {
+    PyObject *site, *call_id, *trace_id;  /* strong; site NULL: none */
+    long long start_ns;
+} served_entry;
+
+/* Puts `entry` (its references moved in) into `s`; what was there moves out to `entry`. */
+static void
+slot_swap(serving_slot *s, served_entry *entry)
+{
+    served_entry old = {s->site, s->call_id, s->trace_id, s->start_ns};
+    serving_count += (entry->site != NULL) - (old.site != NULL);
+    s->site = entry->site, s->call_id = entry->call_id, s->trace_id = entry->trace_id, s->start_ns = entry->start_ns;
+    *entry = old;
+}
+
+static void
+entry_release(served_entry *entry)
+{
+    Py_CLEAR(entry->site);
+    Py_CLEAR(entry->call_id);
+    Py_CLEAR(entry->trace_id);
+}
+
+/* The entry as calls.Served: (site, call id, start ns, trace id). */
+static PyObject *
+slot_tuple(serving_slot *s)
+{
+    return Py_BuildValue("(OOLO)", s->site, s->call_id, s->start_ns, s->trace_id);
+}
+
+typedef struct {
+    PyObject_HEAD
+} ServingTable;
+
+static PyTypeObject ServingTableType;
+
+static int
+thread_of(PyObject *key, unsigned long *thread)
+{
+    *thread = PyLong_Check(key) ? PyLong_AsUnsignedLong(key) : (unsigned long)-1;
+    if (*thread == (unsigned long)-1 && (!PyLong_Check(key) || PyErr_Occurred())) {
+        PyErr_Clear();
+        PyErr_SetObject(PyExc_KeyError, key);  /* not a thread id: never a key */
+        return -1;
+    }
+    return 0;
+}
+
+static serving_slot *
+slot_of_key(PyObject *key)
+{
+    unsigned long thread;
+    if (thread_of(key, &thread) < 0) {
+        return NULL;
+    }
+    serving_slot *s = slot_find(thread);
+    if (s == NULL || s->site == NULL) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return s;
+}
+
+/* The entries as a list: pairs (thread, entry) or entries alone. */
+static PyObject *
+serving_list(int pairs)
+{
+    PyObject *list = PyList_New(0);
+    for (serving_slot *s = serving_slots; list != NULL && s != NULL; s = s->next) {
+        if (s->site == NULL) {
+            continue;
+        }
+        PyObject *entry = slot_tuple(s);
+        PyObject *item = entry != NULL && pairs ? Py_BuildValue("(kN)", s->thread, entry) : entry;
+        if (item == NULL || PyList_Append(list, item) < 0) {
+            Py_CLEAR(list);
+        }
+        Py_XDECREF(item);
+    }
+    return list;
+}
+
+static PyObject *
+serving_items(PyObject *self, PyObject *unused)
+{
+    return serving_list(1);
+}
+
+static PyObject *
+serving_values(PyObject *self, PyObject *unused)
+{
+    return serving_list(0);
+}
+
+static PyObject *
+serving_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(thread, default=None)");
+        return NULL;
+    }
+    serving_slot *s = slot_of_key(args[0]);
+    if (s == NULL) {
+        PyErr_Clear();
+        return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+    }
+    return slot_tuple(s);
+}
+
+static PyObject *
+serving_pop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(thread[, default])");
+        return NULL;
+    }
+    serving_slot *s = slot_of_key(args[0]);
+    if (s == NULL) {
+        if (nargs == 1) {
+            return NULL;
+        }
+        PyErr_Clear();
+        return Py_NewRef(args[1]);
+    }
+    PyObject *value = slot_tuple(s);
+    if (value != NULL) {
+        served_entry none = {NULL, NULL, NULL, 0};
+        slot_swap(s, &none);
+        entry_release(&none);
+    }
+    return value;
+}
+
+static int
+serving_set(PyObject *self, PyObject *key, PyObject *value)
+{
+    unsigned long thread;
+    if (value == NULL) {  /* del table[thread] */
+        serving_slot *s = slot_of_key(key);
+        if (s == NULL) {
+            return -1;
+        }
+        served_entry none = {NULL, NULL, NULL, 0};
+        slot_swap(s, &none);
+        entry_release(&none);
+        return 0;
+    }
+    long long start_ns = PyTuple_Check(value) && PyTuple_GET_SIZE(value) == 4
+        ? PyLong_AsLongLong(PyTuple_GET_ITEM(value, 2)) : -1;
+    if (start_ns == -1 && (PyErr_Occurred() || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 4)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "an entry is (site, call id, start ns: int, trace id)");
+        return -1;
+    }
+    if (!PyLong_Check(key) || ((thread = PyLong_AsUnsignedLong(key)) == (unsigned long)-1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "a key is a thread id (an int from 0)");
+        return -1;
+    }
+    serving_slot *s = thread == PyThread_get_thread_ident() ? own_slot() : slot_make(thread);
+    if (s == NULL) {
+        return -1;
+    }
+    served_entry entry = {Py_NewRef(PyTuple_GET_ITEM(value, 0)), Py_NewRef(PyTuple_GET_ITEM(value, 1)),
+                          Py_NewRef(PyTuple_GET_ITEM(value, 3)), start_ns};
+    slot_swap(s, &entry);
+    entry_release(&entry);
+    return 0;
+}
+
+static PyObject *
+serving_subscript(PyObject *self, PyObject *key)
+{
+    serving_slot *s = slot_of_key(key);
+    return s != NULL ? slot_tuple(s) : NULL;
+}
+
+static PyObject *
+serving_clear(PyObject *self, PyObject *unused)
+{
+    for (serving_slot *s = serving_slots; s != NULL; s = s->next) {
+        if (s->site != NULL) {
+            served_entry none = {NULL, NULL, NULL, 0};
+            slot_swap(s, &none);
+            entry_release(&none);  /* may run Python code: the list stays walkable (slots are never freed) */
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+serving_update(PyObject *self, PyObject *entries)
+{
+    if (!PyDict_Check(entries)) {
+        PyErr_SetString(PyExc_TypeError, "update(entries: dict)");
+        return NULL;
+    }
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(entries, &pos, &key, &value)) {
+        if (serving_set(self, key, value) < 0) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t
+serving_len(PyObject *self)
+{
+    return serving_count;
+}
+
+static int
+serving_contains(PyObject *self, PyObject *key)
+{
+    unsigned long thread;
+    if (thread_of(key, &thread) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    serving_slot *s = slot_find(thread);
+    return s != NULL && s->site != NULL;
+}
+
+PyDoc_STRVAR(serving_slots_doc,
+"serving_slots()\n--\n\n"
+"How many slots the serving table has made (at most the threads alive at once that ran a UDF, plus entries set by "
+"hand): for tests.");
+
+static PyObject *
+serving_slots_count(PyObject *module, PyObject *unused)
+{
+    Py_ssize_t n = 0;
+    for (serving_slot *s = serving_slots; s != NULL; s = s->next) {
+        n++;
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+static PyMethodDef serving_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))serving_get, METH_FASTCALL, "get(thread, default=None): its entry"},
+    {"pop", (PyCFunction)(void (*)(void))serving_pop, METH_FASTCALL, "pop(thread[, default]): its entry, removed"},
+    {"items", serving_items, METH_NOARGS, "items(): a list of (thread, entry)"},
+    {"values", serving_values, METH_NOARGS, "values(): a list of the entries"},
+    {"clear", serving_clear, METH_NOARGS, "clear(): no entries"},
+    {"update", serving_update, METH_O, "update(entries: dict): each set"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods serving_as_mapping = {
+    .mp_length = serving_len, .mp_subscript = serving_subscript, .mp_ass_subscript = serving_set,
+};
+static PySequenceMethods serving_as_sequence = {.sq_contains = serving_contains};
+
+static PyTypeObject ServingTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rpc_observe.hooks._core.ServingTable",
+    .tp_doc = "The UDF each thread runs, by thread id, as (site, call id, start ns, trace id): the process's one "
+              "table (`_core.serving`), its entries kept per thread in C (calls.serving's dict is its reference).",
+    .tp_basicsize = sizeof(ServingTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = serving_methods,
+    .tp_as_mapping = &serving_as_mapping,
+    .tp_as_sequence = &serving_as_sequence,
+};
+
+static ServingTable serving_table = {PyObject_HEAD_INIT(&ServingTableType)};
 
 static PyObject *s_append, *s_record, *s_response_cells, *s_received, *s_cells, *s_profiler, *s_armed,
     *s_callee_ns, *s_tracer, *s_end, *s_metrics, *s_request_cells_attr,
@@ -1517,12 +1886,13 @@ intern_run_names(void)
 
 /* What one UDF run holds between its start and its end (server.py's locals). */
 typedef struct {
-    PyObject *fields, *site, *span, *token, *tracer, *thread, *outer;
+    PyObject *fields, *site, *span, *token, *tracer, *thread;
+    served_entry outer;  /* the serving table's entry for this thread before this run (a UDF that runs another) */
+    serving_slot *slot;  /* this thread's, holding this run's entry; NULL: not entered */
     PyObject *span_serving, *span_outer;  /* Tracer.attach without a TracerProvider, inline: its table, what it held */
     long long start_ns;
     double request_start;  /* perf_counter() when the request's unpickling started; 0.0 if not known */
     int tid;  /* a profiler is armed: the run ends through Serving.finish */
-    int served;  /* this run is in the serving table */
 } run_state;
 
 static void
@@ -1534,7 +1904,7 @@ run_state_clear(run_state *r)
     Py_CLEAR(r->token);
     Py_CLEAR(r->tracer);
     Py_CLEAR(r->thread);
-    Py_CLEAR(r->outer);
+    entry_release(&r->outer);
     Py_CLEAR(r->span_serving);
     Py_CLEAR(r->span_outer);
 }
@@ -1740,6 +2110,8 @@ start_server_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
     return span;
 }
 
+static PyObject *thread_key(PyObject **thread, unsigned long ident);
+
 /* tracer.attach(span): without a TracerProvider, its per-thread entry inline (what was there kept in `r`). */
 static int
 attach_server_span(run_state *r)
@@ -1753,7 +2125,8 @@ attach_server_span(run_state *r)
     if (!plain) {
         return (r->token = PyObject_CallMethodOneArg(r->tracer, s_attach, r->span)) == NULL ? -1 : 0;
     }
-    if ((r->span_serving = PyObject_GetAttr(r->tracer, s_serving_attr)) == NULL) {
+    if ((r->span_serving = PyObject_GetAttr(r->tracer, s_serving_attr)) == NULL ||
+        thread_key(&r->thread, PyThread_get_thread_ident()) == NULL) {
         return -1;
     }
     if (!PyDict_CheckExact(r->span_serving)) {
@@ -2141,9 +2514,6 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
     if ((r->tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL) {
         return -1;
     }
-    if ((r->thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL) {
-        return -1;
-    }
     if (r->tracer != Py_None) {
         PyObject *name = PyObject_GetAttr(r->site, s_span_name), *attributes = PyObject_GetAttr(r->site, s_attributes);
         if (name != NULL && attributes != NULL) {
@@ -2170,35 +2540,28 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
     if (r->tid < 0) {
         return -1;
     }
-    r->outer = PyDict_GetItemWithError(hook_refs.serving, r->thread);  /* a UDF that runs another in-process */
-    if (r->outer == NULL && PyErr_Occurred()) {
+    serving_slot *slot = own_slot();  /* the serving table: this run's entry, what was there kept */
+    if (slot == NULL) {
         return -1;
     }
-    Py_XINCREF(r->outer);
     PyObject *trace_id = r->span != Py_None ? PyObject_GetAttr(r->span, s_trace_id) : PyLong_FromLong(0);
-    PyObject *served = trace_id != NULL
-        ? Py_BuildValue("(OOLO)", r->site, r->fields != Py_None ? PyList_GET_ITEM(r->fields, 3) : s_empty,
-                        r->start_ns, trace_id)
-        : NULL;
-    Py_XDECREF(trace_id);
-    int failed = served == NULL || PyDict_SetItem(hook_refs.serving, r->thread, served) < 0;
-    Py_XDECREF(served);
-    r->served = !failed;
-    return failed ? -1 : 0;
+    if (trace_id == NULL) {
+        return -1;
+    }
+    r->outer = (served_entry){Py_NewRef(r->site), Py_NewRef(r->fields != Py_None ? PyList_GET_ITEM(r->fields, 3)
+                                                                                  : s_empty), trace_id, r->start_ns};
+    slot_swap(slot, &r->outer);
+    r->slot = slot;
+    return 0;
 }
 
 /* server._run_function's finally: the serving table as it was, the span no longer current. */
 static int
 run_detach(run_state *r)
 {
-    int failed = !r->served ? 0
-                 : r->outer == NULL ? PyDict_DelItem(hook_refs.serving, r->thread)
-                                    : PyDict_SetItem(hook_refs.serving, r->thread, r->outer);
-    if (failed < 0) {
-        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-            return -1;
-        }
-        PyErr_Clear();  /* serving.pop(thread, None) */
+    if (r->slot != NULL) {  /* the entry before this run, back; this run's, in r->outer, released with it */
+        slot_swap(r->slot, &r->outer);
+        r->slot = NULL;
     }
     if (detach_server_span(r) < 0) {
         return -1;
@@ -2373,14 +2736,14 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto failed;
     }
     /* the UDF this call waits inside, if any */
-    PyObject *parent = NULL;
-    if (PyDict_GET_SIZE(hook_refs.serving)) {
-        if (thread_key(&thread, call->thread) == NULL ||
-            ((parent = PyDict_GetItemWithError(hook_refs.serving, thread)) == NULL && PyErr_Occurred())) {
+    if (thread_slot != NULL && thread_slot->site != NULL) {
+        if ((call->parent = slot_tuple(thread_slot)) == NULL) {
             goto failed;
         }
     }
-    call->parent = Py_NewRef(parent ? parent : Py_None);
+    else {
+        call->parent = Py_NewRef(Py_None);
+    }
     if ((tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL || (profiler = PyObject_GetAttr(runtime, s_profiler)) == NULL) {
         goto failed;
     }
@@ -2803,8 +3166,8 @@ PyDoc_STRVAR(configure_run_doc,
 static PyObject *
 configure_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6 || !PyDict_Check(args[0]) || !PyUnicode_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError, "configure_run(serving: dict, proxies, site_of, end_other, fold_served, "
+    if (nargs != 6 || args[0] != (PyObject *)&serving_table || !PyUnicode_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "configure_run(serving: _core.serving, proxies, site_of, end_other, fold_served, "
                                          "unknown: str)");
         return NULL;
     }
@@ -3366,6 +3729,7 @@ static PyMethodDef core_methods[] = {
     {"set_current_call", set_current_call, METH_O, set_current_call_doc},
     {"set_pending_reply", (PyCFunction)(void (*)(void))set_pending_reply, METH_FASTCALL, set_pending_reply_doc},
     {"take_pending_reply", take_pending_reply, METH_NOARGS, take_pending_reply_doc},
+    {"serving_slots", serving_slots_count, METH_NOARGS, serving_slots_doc},
     {"configure_fold", (PyCFunction)(void (*)(void))configure_fold, METH_FASTCALL, configure_fold_doc},
     {"configure_spans", (PyCFunction)(void (*)(void))configure_spans, METH_FASTCALL, configure_spans_doc},
     {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},
@@ -3391,7 +3755,7 @@ PyInit__core(void)
          (hook_refs.where_deserialize = PyUnicode_InternFromString("deserialize")) == NULL) ||
         intern_run_names() < 0 || intern_invoke_names() < 0 || PyType_Ready(&HookType) < 0 ||
         PyType_Ready(&RecordsType) < 0 || PyType_Ready(&CallBaseType) < 0 ||
-        PyType_Ready(&FinishedCallsType) < 0) {
+        PyType_Ready(&FinishedCallsType) < 0 || PyType_Ready(&ServingTableType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&core_module);
@@ -3402,6 +3766,7 @@ PyInit__core(void)
         PyModule_AddObjectRef(module, "Records", (PyObject *)&RecordsType) < 0 ||
         PyModule_AddObjectRef(module, "CallBase", (PyObject *)&CallBaseType) < 0 ||
         PyModule_AddObjectRef(module, "FinishedCalls", (PyObject *)&FinishedCallsType) < 0 ||
+        PyModule_AddObjectRef(module, "serving", (PyObject *)&serving_table) < 0 ||
         PyModule_AddIntConstant(module, "SERIALIZE", SERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "RUN_FUNCTION", RUN_FUNCTION) < 0 ||

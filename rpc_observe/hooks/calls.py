@@ -30,7 +30,7 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from torch.autograd import _profiler_enabled
@@ -65,7 +65,6 @@ _get_ident = threading.get_ident
 Error = tuple[str, str]  # (error.type, message)
 # The UDF each thread runs, by thread id: (ServerSite, the caller's call id text, start ns, trace id or 0).
 Served = tuple["ServerSite", str, int, int]
-serving: dict[int, Served] = {}
 # A finished call: (ClientSite, call id, start ns, end ns, error.type or None).
 Finished = tuple["ClientSite", int, int, int, "str | None"]
 
@@ -112,6 +111,10 @@ NO_MORE_FIELDS: tuple[str, ...] = ()  # a name, not a literal: type checkers tak
 _CallBase: type = _core.CallBase if _core is not None else _CallFields
 # The last finished calls (RPC_OBSERVE_RECORDER_SIZE of them: hooks.attach resizes it).
 finished: FinishedCalls = (_core.FinishedCalls if _core is not None else FinishedCalls)(1000)
+# The UDF each thread runs: the dict is the reference of `_core.serving`, where a run's entry is set in its thread's
+# slot in C (no int, tuple or write to a table every pool thread shares); read with get/items/values/len.
+# (`_core.ServingTable` has the mapping methods used here: get, pop, items, values, clear, update, len, [])
+serving: MutableMapping[int, Served] = _core.serving if _core is not None else {}
 
 
 def _current_call() -> Call | None:

@@ -46,6 +46,10 @@ def _call_id(text: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def _start(entry: tuple[int, calls.Served]) -> int:
+    return entry[1][2]  # the UDFs a snapshot lists, oldest first
+
+
 def _hex(number: int, width: int) -> str | None:
     return f"{number:0{width}x}" if number else None
 
@@ -138,7 +142,7 @@ def tables(read_torch: bool = True) -> dict[str, Any]:
                 "caller": parent[0].src, "call_id": _call_id(parent[1]), "method": parent[0].method},
         })
     served = []
-    for thread, (udf_site, call_id, start_ns, trace_id) in list(calls.serving.items()):
+    for thread, (udf_site, call_id, start_ns, trace_id) in sorted(calls.serving.items(), key=_start):
         served.append({"caller": udf_site.src, "call_id": _call_id(call_id), "method": udf_site.method,
                        "mode": udf_site.attributes.get("torch.rpc.exec_mode"), "age_s": (now - start_ns) / 1e9,
                        "thread": thread, "trace_id": _hex(trace_id, 32)})

@@ -105,7 +105,7 @@ def test_run_function_hook_restores_the_thread_and_passes_torch_errors(metrics_r
         udf.rpc_observe_fields = ["q", "worker1", "sync", "7"]
         udf.rpc_observe_start = 0.0
         assert hook(udf) == ("ran", (3,))
-        assert calls.serving[thread] is outer
+        assert calls.serving[thread] == outer
         reply = calls.take_pending_reply()
         assert reply is not None and reply[1] == "7"  # the response echoes the caller's call id
         error = ValueError("the UDF's own")
@@ -115,7 +115,7 @@ def test_run_function_hook_restores_the_thread_and_passes_torch_errors(metrics_r
 
         with pytest.raises(ValueError) as raised:
             core.Hook(raising, core.RUN_FUNCTION)(udf)
-        assert raised.value is error and calls.serving[thread] is outer
+        assert raised.value is error and calls.serving[thread] == outer
         site = metrics_runtime.server_sites[(noop, "worker1", "sync")]
         assert type(site) is server.ServerSite
         served = [r for r in metrics_runtime.metrics._records if r[1] is site.cells]

@@ -441,6 +441,92 @@ def test_the_c_ring_of_finished_calls_is_its_reference(seed: int) -> None:
 
 
 @needs_core
+@pytest.mark.parametrize("seed", range(5))
+def test_the_c_serving_table_is_its_reference(seed: int) -> None:
+    """`_core.serving` against a dict (`calls.serving`'s reference) on the same random sets, pops, deletes, gets and
+    clears, keyed by this thread's id, other live threads' ids and made-up ones: the same entries after every step,
+    and no reference kept of an entry that left."""
+    assert trailer.core is not None
+    table, reference = trailer.core.serving, {}  # type: ignore[var-annotated]
+    assert len(table) == 0
+    rng = random.Random(seed)
+    sites = [object() for _ in range(3)]
+    unheld = [sys.getrefcount(site) for site in sites]
+    parked: list[int] = []
+    release = threading.Event()
+
+    def park() -> None:
+        parked.append(threading.get_ident())
+        release.wait()
+
+    threads = [threading.Thread(target=park) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    while len(parked) < 2:
+        time.sleep(0.01)
+    keys = [threading.get_ident(), *parked, 1, 2**64 - 1, rng.randrange(2**63)]
+    try:
+        for _ in range(2_000):
+            step, key = rng.random(), rng.choice(keys)
+            if step < 0.5:
+                entry = (rng.choice(sites), rng.choice(["", "7", "é"]), rng.randrange(-2**63, 2**63),
+                         rng.choice([0, 2**128 - 1]))
+                table[key] = reference[key] = entry
+            elif step < 0.7:
+                assert table.pop(key, "none") == reference.pop(key, "none")
+            elif step < 0.8 and key in reference:
+                del table[key], reference[key]
+            elif step < 0.98:
+                assert table.get(key) == reference.get(key) and (key in table) == (key in reference)
+            else:
+                table.clear(), reference.clear()
+            assert dict(table.items()) == reference and len(table) == len(reference)
+            assert sorted(table.values(), key=repr) == sorted(reference.values(), key=repr)
+        with pytest.raises(KeyError):
+            table[-1]  # noqa: B018  # not a thread id: never a key
+        with pytest.raises(TypeError):
+            table[1] = ("site", "7", 0)
+    finally:
+        table.clear(), reference.clear()
+        release.set()
+        for thread in threads:
+            thread.join()
+    del entry
+    assert [sys.getrefcount(site) for site in sites] == unheld
+
+
+@needs_core
+def test_the_c_serving_table_keeps_a_slot_per_live_thread() -> None:
+    """Each thread's entry is its own; an ended thread's entry stays readable, as in the dict, and its empty slot is
+    taken again rather than a new one made: threads that come and go do not grow the table."""
+    assert trailer.core is not None
+    table = trailer.core.serving
+    seen: list[object] = []
+
+    def serve(tag: str, keep: bool) -> None:
+        me = threading.get_ident()
+        table[me] = (tag, "1", 5, 0)
+        seen.append(table.get(me))
+        if not keep:
+            del table[me]
+
+    kept = threading.Thread(target=serve, args=("kept", True))
+    kept.start()
+    kept.join()
+    try:
+        assert seen == [("kept", "1", 5, 0)] and table.get(kept.ident) == ("kept", "1", 5, 0)
+        del table[kept.ident]  # (a later thread may get its id, and so its entry, as in the dict)
+        for i in range(200):
+            thread = threading.Thread(target=serve, args=(f"udf{i}", False))
+            thread.start()
+            thread.join()
+        assert len(seen) == 201 and seen[-1] == ("udf199", "1", 5, 0) and len(table) == 0
+        assert trailer.core.serving_slots() <= 8  # the 200 ended threads' slots taken again, not one each
+    finally:
+        table.clear()
+
+
+@needs_core
 def test_a_resized_flight_recorder_keeps_the_calls_the_c_core_ends(world: runtime.Runtime) -> None:
     """RPC_OBSERVE_RECORDER_SIZE resizes the one ring the C ending writes to (it once kept appending to a deque the
     recorder no longer read): the newest calls, as many as the size says."""
