@@ -32,6 +32,8 @@ def attach(runtime: Runtime) -> None:
     if runtime.metrics is not None and trailer.core is not None:  # the queue and fold in C (references: metrics.py)
         runtime.metrics.use_queue(trailer.core.Records())
         runtime.metrics.fold_records = trailer.core.fold
+    if runtime.tracer is not None and trailer.core is not None:  # the SERVER span by thread in C (reference: a dict)
+        runtime.tracer.serving = trailer.core.serving_spans
     if runtime.metrics is not None and runtime.state is not None:
         runtime.metrics.agent_info = torch_state.agent_debug_info
         runtime.state.source = lambda: snapshot.age_gauges(config.hang_seconds) + torch_state.debug_state()

@@ -491,25 +491,27 @@ take_pending_reply(PyObject *module, PyObject *unused)
     return reply;
 }
 
-/* ---- The UDF each thread runs (calls.serving; a dict by thread id is its reference) ----
- * An entry per thread: (ServerSite, the caller's call id text, start ns, trace id or 0), read by other threads (the
- * flight recorder, a nested call's parent). A slot per thread in C, where the dict took a thread id int, a tuple, a
- * start int and two writes of a table shared by every pool thread per run. Slots live in one list, changed and read
- * under the GIL only; a thread finds its own through a thread local. A slot is never freed: an ended thread's empty
- * slot is taken by the next thread that needs one, so there are at most as many as threads alive at once (plus any
- * entries set by hand for an id no thread has). The `_core.serving` object is the dict-like view of them. */
+/* ---- What each thread serves: the UDF it runs (calls.serving) and the SERVER span its own RPCs are children of
+ * (Tracer.serving, without a TracerProvider); a dict by thread id is the reference of each ----
+ * Both are read by other threads (the flight recorder; a nested call's parent) and written by every pool thread at
+ * every run: a slot per thread in C, where the dicts took a thread id int, a tuple, a start int and four writes of
+ * tables every pool thread shares. Slots live in one list, changed and read under the GIL only; a thread finds its
+ * own through a thread local. A slot is never freed: an ended thread's empty slot is taken by the next thread that
+ * needs one, so there are at most as many as threads alive at once (plus entries set by hand for an id no thread
+ * has). `_core.serving` and `_core.serving_spans` are the dict-like views of the two tables. */
 typedef struct serving_slot {
     struct serving_slot *next;
     unsigned long thread;
     int adopted;  /* a thread's own (its thread local points here) */
     int owner_gone;  /* that thread ended (set by its pthread key's destructor, without the GIL: atomic) */
-    PyObject *site, *call_id, *trace_id;  /* strong; site NULL: no entry */
+    PyObject *site, *call_id, *trace_id;  /* strong; site NULL: no UDF entry */
     long long start_ns;
+    PyObject *span;  /* strong; NULL: no span entry */
 } serving_slot;
 
 static serving_slot *serving_slots;
-static Py_ssize_t serving_count;  /* slots with an entry */
 static __thread serving_slot *thread_slot;
+static int foreign_slots;  /* a value was set by hand for another thread: a thread without a slot may have one */
 static pthread_key_t slot_key;
 static int slot_key_made;
 
@@ -520,18 +522,23 @@ slot_owner_ended(void *slot)
 }
 
 static int
-slot_free(serving_slot *s)
+slot_empty(serving_slot *s)
 {
-    return s->site == NULL && (!s->adopted || __atomic_load_n(&s->owner_gone, __ATOMIC_ACQUIRE));
+    return s->site == NULL && s->span == NULL;
 }
 
-/* The slot of `thread` (the dict's key), or NULL. */
+static int
+slot_free(serving_slot *s)
+{
+    return slot_empty(s) && (!s->adopted || __atomic_load_n(&s->owner_gone, __ATOMIC_ACQUIRE));
+}
+
+/* The slot of `thread` (the dicts' key), or NULL. */
 static serving_slot *
 slot_find(unsigned long thread)
 {
     for (serving_slot *s = serving_slots; s != NULL; s = s->next) {
-        if (s->thread == thread && !(s->adopted && __atomic_load_n(&s->owner_gone, __ATOMIC_ACQUIRE) &&
-                                     s->site == NULL)) {
+        if (s->thread == thread && !(s->adopted && slot_free(s))) {
             return s;
         }
     }
@@ -589,7 +596,15 @@ own_slot(void)
     return thread_slot = s;
 }
 
-/* A slot's entry, as it was: what `slot_put` swaps out and puts back. */
+/* The slot of the running thread (`ident`), or NULL: its own, without a search unless values were set by hand for
+ * other threads (tests). */
+static serving_slot *
+slot_of_thread(unsigned long ident)
+{
+    return thread_slot != NULL ? thread_slot : foreign_slots ? slot_find(ident) : NULL;
+}
+
+/* A slot's UDF entry, as it was: what `slot_swap` swaps out and puts back. */
 typedef struct {
     PyObject *site, *call_id, *trace_id;  /* strong; site NULL: none */
     long long start_ns;
@@ -600,7 +615,6 @@ static void
 slot_swap(serving_slot *s, served_entry *entry)
 {
     served_entry old = {s->site, s->call_id, s->trace_id, s->start_ns};
-    serving_count += (entry->site != NULL) - (old.site != NULL);
     s->site = entry->site, s->call_id = entry->call_id, s->trace_id = entry->trace_id, s->start_ns = entry->start_ns;
     *entry = old;
 }
@@ -613,18 +627,58 @@ entry_release(served_entry *entry)
     Py_CLEAR(entry->trace_id);
 }
 
-/* The entry as calls.Served: (site, call id, start ns, trace id). */
+/* The UDF entry as calls.Served: (site, call id, start ns, trace id). */
 static PyObject *
 slot_tuple(serving_slot *s)
 {
     return Py_BuildValue("(OOLO)", s->site, s->call_id, s->start_ns, s->trace_id);
 }
 
+/* A view of one of the two tables. */
 typedef struct {
     PyObject_HEAD
+    int spans;  /* 0: the UDFs (calls.serving), 1: the SERVER spans (Tracer.serving) */
 } ServingTable;
 
 static PyTypeObject ServingTableType;
+
+static int
+has_value(ServingTable *t, serving_slot *s)
+{
+    return t->spans ? s->span != NULL : s->site != NULL;
+}
+
+/* The slot's value in this table (a new reference). */
+static PyObject *
+value_of(ServingTable *t, serving_slot *s)
+{
+    return t->spans ? Py_NewRef(s->span) : slot_tuple(s);
+}
+
+/* Sets (`value` NULL: removes) the slot's value in this table; what was there is released last. */
+static int
+set_value(ServingTable *t, serving_slot *s, PyObject *value)
+{
+    if (t->spans) {
+        Py_XSETREF(s->span, Py_XNewRef(value));
+        return 0;
+    }
+    served_entry entry = {NULL, NULL, NULL, 0};
+    if (value != NULL) {
+        long long start_ns = PyTuple_Check(value) && PyTuple_GET_SIZE(value) == 4
+            ? PyLong_AsLongLong(PyTuple_GET_ITEM(value, 2)) : -1;
+        if (start_ns == -1 && (PyErr_Occurred() || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 4)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "an entry is (site, call id, start ns: int, trace id)");
+            return -1;
+        }
+        entry = (served_entry){Py_NewRef(PyTuple_GET_ITEM(value, 0)), Py_NewRef(PyTuple_GET_ITEM(value, 1)),
+                               Py_NewRef(PyTuple_GET_ITEM(value, 3)), start_ns};
+    }
+    slot_swap(s, &entry);
+    entry_release(&entry);
+    return 0;
+}
 
 static int
 thread_of(PyObject *key, unsigned long *thread)
@@ -638,32 +692,33 @@ thread_of(PyObject *key, unsigned long *thread)
     return 0;
 }
 
+/* The slot holding `key`'s value in this table; NULL with KeyError. */
 static serving_slot *
-slot_of_key(PyObject *key)
+slot_of_key(ServingTable *t, PyObject *key)
 {
     unsigned long thread;
     if (thread_of(key, &thread) < 0) {
         return NULL;
     }
     serving_slot *s = slot_find(thread);
-    if (s == NULL || s->site == NULL) {
+    if (s == NULL || !has_value(t, s)) {
         PyErr_SetObject(PyExc_KeyError, key);
         return NULL;
     }
     return s;
 }
 
-/* The entries as a list: pairs (thread, entry) or entries alone. */
+/* The entries as a list: pairs (thread, value) or values alone. */
 static PyObject *
-serving_list(int pairs)
+serving_list(ServingTable *t, int pairs)
 {
     PyObject *list = PyList_New(0);
     for (serving_slot *s = serving_slots; list != NULL && s != NULL; s = s->next) {
-        if (s->site == NULL) {
+        if (!has_value(t, s)) {
             continue;
         }
-        PyObject *entry = slot_tuple(s);
-        PyObject *item = entry != NULL && pairs ? Py_BuildValue("(kN)", s->thread, entry) : entry;
+        PyObject *value = value_of(t, s);
+        PyObject *item = value != NULL && pairs ? Py_BuildValue("(kN)", s->thread, value) : value;
         if (item == NULL || PyList_Append(list, item) < 0) {
             Py_CLEAR(list);
         }
@@ -673,40 +728,40 @@ serving_list(int pairs)
 }
 
 static PyObject *
-serving_items(PyObject *self, PyObject *unused)
+serving_items(ServingTable *t, PyObject *unused)
 {
-    return serving_list(1);
+    return serving_list(t, 1);
 }
 
 static PyObject *
-serving_values(PyObject *self, PyObject *unused)
+serving_values(ServingTable *t, PyObject *unused)
 {
-    return serving_list(0);
+    return serving_list(t, 0);
 }
 
 static PyObject *
-serving_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+serving_get(ServingTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs < 1 || nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "get(thread, default=None)");
         return NULL;
     }
-    serving_slot *s = slot_of_key(args[0]);
+    serving_slot *s = slot_of_key(t, args[0]);
     if (s == NULL) {
         PyErr_Clear();
         return Py_NewRef(nargs == 2 ? args[1] : Py_None);
     }
-    return slot_tuple(s);
+    return value_of(t, s);
 }
 
 static PyObject *
-serving_pop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+serving_pop(ServingTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs < 1 || nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "pop(thread[, default])");
         return NULL;
     }
-    serving_slot *s = slot_of_key(args[0]);
+    serving_slot *s = slot_of_key(t, args[0]);
     if (s == NULL) {
         if (nargs == 1) {
             return NULL;
@@ -714,35 +769,20 @@ serving_pop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         return Py_NewRef(args[1]);
     }
-    PyObject *value = slot_tuple(s);
+    PyObject *value = value_of(t, s);
     if (value != NULL) {
-        served_entry none = {NULL, NULL, NULL, 0};
-        slot_swap(s, &none);
-        entry_release(&none);
+        set_value(t, s, NULL);
     }
     return value;
 }
 
 static int
-serving_set(PyObject *self, PyObject *key, PyObject *value)
+serving_set(ServingTable *t, PyObject *key, PyObject *value)
 {
     unsigned long thread;
     if (value == NULL) {  /* del table[thread] */
-        serving_slot *s = slot_of_key(key);
-        if (s == NULL) {
-            return -1;
-        }
-        served_entry none = {NULL, NULL, NULL, 0};
-        slot_swap(s, &none);
-        entry_release(&none);
-        return 0;
-    }
-    long long start_ns = PyTuple_Check(value) && PyTuple_GET_SIZE(value) == 4
-        ? PyLong_AsLongLong(PyTuple_GET_ITEM(value, 2)) : -1;
-    if (start_ns == -1 && (PyErr_Occurred() || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 4)) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "an entry is (site, call id, start ns: int, trace id)");
-        return -1;
+        serving_slot *s = slot_of_key(t, key);
+        return s != NULL ? set_value(t, s, NULL) : -1;
     }
     if (!PyLong_Check(key) || ((thread = PyLong_AsUnsignedLong(key)) == (unsigned long)-1 && PyErr_Occurred())) {
         PyErr_Clear();
@@ -750,38 +790,30 @@ serving_set(PyObject *self, PyObject *key, PyObject *value)
         return -1;
     }
     serving_slot *s = thread == PyThread_get_thread_ident() ? own_slot() : slot_make(thread);
-    if (s == NULL) {
-        return -1;
-    }
-    served_entry entry = {Py_NewRef(PyTuple_GET_ITEM(value, 0)), Py_NewRef(PyTuple_GET_ITEM(value, 1)),
-                          Py_NewRef(PyTuple_GET_ITEM(value, 3)), start_ns};
-    slot_swap(s, &entry);
-    entry_release(&entry);
-    return 0;
+    foreign_slots |= s != NULL && s != thread_slot;
+    return s != NULL ? set_value(t, s, value) : -1;
 }
 
 static PyObject *
-serving_subscript(PyObject *self, PyObject *key)
+serving_subscript(ServingTable *t, PyObject *key)
 {
-    serving_slot *s = slot_of_key(key);
-    return s != NULL ? slot_tuple(s) : NULL;
+    serving_slot *s = slot_of_key(t, key);
+    return s != NULL ? value_of(t, s) : NULL;
 }
 
 static PyObject *
-serving_clear(PyObject *self, PyObject *unused)
+serving_clear(ServingTable *t, PyObject *unused)
 {
     for (serving_slot *s = serving_slots; s != NULL; s = s->next) {
-        if (s->site != NULL) {
-            served_entry none = {NULL, NULL, NULL, 0};
-            slot_swap(s, &none);
-            entry_release(&none);  /* may run Python code: the list stays walkable (slots are never freed) */
+        if (has_value(t, s)) {
+            set_value(t, s, NULL);  /* may run Python code: the list stays walkable (slots are never freed) */
         }
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *
-serving_update(PyObject *self, PyObject *entries)
+serving_update(ServingTable *t, PyObject *entries)
 {
     if (!PyDict_Check(entries)) {
         PyErr_SetString(PyExc_TypeError, "update(entries: dict)");
@@ -790,7 +822,7 @@ serving_update(PyObject *self, PyObject *entries)
     PyObject *key, *value;
     Py_ssize_t pos = 0;
     while (PyDict_Next(entries, &pos, &key, &value)) {
-        if (serving_set(self, key, value) < 0) {
+        if (serving_set(t, key, value) < 0) {
             return NULL;
         }
     }
@@ -798,26 +830,26 @@ serving_update(PyObject *self, PyObject *entries)
 }
 
 static Py_ssize_t
-serving_len(PyObject *self)
+serving_len(ServingTable *t)
 {
-    return serving_count;
+    Py_ssize_t n = 0;
+    for (serving_slot *s = serving_slots; s != NULL; s = s->next) {
+        n += has_value(t, s);
+    }
+    return n;
 }
 
 static int
-serving_contains(PyObject *self, PyObject *key)
+serving_contains(ServingTable *t, PyObject *key)
 {
-    unsigned long thread;
-    if (thread_of(key, &thread) < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    serving_slot *s = slot_find(thread);
-    return s != NULL && s->site != NULL;
+    serving_slot *s = slot_of_key(t, key);
+    PyErr_Clear();
+    return s != NULL;
 }
 
 PyDoc_STRVAR(serving_slots_doc,
 "serving_slots()\n--\n\n"
-"How many slots the serving table has made (at most the threads alive at once that ran a UDF, plus entries set by "
+"How many slots the serving tables have made (at most the threads alive at once that served, plus entries set by "
 "hand): for tests.");
 
 static PyObject *
@@ -831,25 +863,27 @@ serving_slots_count(PyObject *module, PyObject *unused)
 }
 
 static PyMethodDef serving_methods[] = {
-    {"get", (PyCFunction)(void (*)(void))serving_get, METH_FASTCALL, "get(thread, default=None): its entry"},
-    {"pop", (PyCFunction)(void (*)(void))serving_pop, METH_FASTCALL, "pop(thread[, default]): its entry, removed"},
-    {"items", serving_items, METH_NOARGS, "items(): a list of (thread, entry)"},
-    {"values", serving_values, METH_NOARGS, "values(): a list of the entries"},
-    {"clear", serving_clear, METH_NOARGS, "clear(): no entries"},
-    {"update", serving_update, METH_O, "update(entries: dict): each set"},
+    {"get", (PyCFunction)(void (*)(void))serving_get, METH_FASTCALL, "get(thread, default=None): its value"},
+    {"pop", (PyCFunction)(void (*)(void))serving_pop, METH_FASTCALL, "pop(thread[, default]): its value, removed"},
+    {"items", (PyCFunction)serving_items, METH_NOARGS, "items(): a list of (thread, value)"},
+    {"values", (PyCFunction)serving_values, METH_NOARGS, "values(): a list of the values"},
+    {"clear", (PyCFunction)serving_clear, METH_NOARGS, "clear(): no values"},
+    {"update", (PyCFunction)serving_update, METH_O, "update(entries: dict): each set"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMappingMethods serving_as_mapping = {
-    .mp_length = serving_len, .mp_subscript = serving_subscript, .mp_ass_subscript = serving_set,
+    .mp_length = (lenfunc)serving_len, .mp_subscript = (binaryfunc)serving_subscript,
+    .mp_ass_subscript = (objobjargproc)serving_set,
 };
-static PySequenceMethods serving_as_sequence = {.sq_contains = serving_contains};
+static PySequenceMethods serving_as_sequence = {.sq_contains = (objobjproc)serving_contains};
 
 static PyTypeObject ServingTableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "rpc_observe.hooks._core.ServingTable",
-    .tp_doc = "The UDF each thread runs, by thread id, as (site, call id, start ns, trace id): the process's one "
-              "table (`_core.serving`), its entries kept per thread in C (calls.serving's dict is its reference).",
+    .tp_doc = "What each thread serves, by thread id: `_core.serving`, the UDF it runs as (site, call id, start ns, "
+              "trace id) (calls.serving's dict is its reference), and `_core.serving_spans`, the SERVER span it "
+              "serves (Tracer.serving's dict is its reference); kept per thread in C.",
     .tp_basicsize = sizeof(ServingTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_methods = serving_methods,
@@ -857,7 +891,8 @@ static PyTypeObject ServingTableType = {
     .tp_as_sequence = &serving_as_sequence,
 };
 
-static ServingTable serving_table = {PyObject_HEAD_INIT(&ServingTableType)};
+static ServingTable serving_table = {PyObject_HEAD_INIT(&ServingTableType) 0};
+static ServingTable serving_spans = {PyObject_HEAD_INIT(&ServingTableType) 1};
 
 static PyObject *s_append, *s_record, *s_response_cells, *s_received, *s_cells, *s_profiler, *s_armed,
     *s_callee_ns, *s_tracer, *s_end, *s_metrics, *s_request_cells_attr,
@@ -1890,6 +1925,7 @@ typedef struct {
     served_entry outer;  /* the serving table's entry for this thread before this run (a UDF that runs another) */
     serving_slot *slot;  /* this thread's, holding this run's entry; NULL: not entered */
     PyObject *span_serving, *span_outer;  /* Tracer.attach without a TracerProvider, inline: its table, what it held */
+    serving_slot *span_slot;  /* that table is the C one: this thread's slot, holding this run's span */
     long long start_ns;
     double request_start;  /* perf_counter() when the request's unpickling started; 0.0 if not known */
     int tid;  /* a profiler is armed: the run ends through Serving.finish */
@@ -2125,8 +2161,20 @@ attach_server_span(run_state *r)
     if (!plain) {
         return (r->token = PyObject_CallMethodOneArg(r->tracer, s_attach, r->span)) == NULL ? -1 : 0;
     }
-    if ((r->span_serving = PyObject_GetAttr(r->tracer, s_serving_attr)) == NULL ||
-        thread_key(&r->thread, PyThread_get_thread_ident()) == NULL) {
+    if ((r->span_serving = PyObject_GetAttr(r->tracer, s_serving_attr)) == NULL) {
+        return -1;
+    }
+    if (r->span_serving == (PyObject *)&serving_spans) {  /* this thread's slot (the C table of hooks.attach) */
+        if ((r->span_slot = own_slot()) == NULL) {
+            Py_CLEAR(r->span_serving);
+            return -1;
+        }
+        r->span_outer = r->span_slot->span;  /* its reference moves to r */
+        r->span_slot->span = Py_NewRef(r->span);
+        return 0;
+    }
+    if (thread_key(&r->thread, PyThread_get_thread_ident()) == NULL) {
+        Py_CLEAR(r->span_serving);
         return -1;
     }
     if (!PyDict_CheckExact(r->span_serving)) {
@@ -2150,6 +2198,14 @@ static int
 detach_server_span(run_state *r)
 {
     if (r->span_serving == NULL) {
+        return 0;
+    }
+    if (r->span_slot != NULL) {  /* what the slot held before, back; this run's span released with r */
+        PyObject *span = r->span_slot->span;
+        r->span_slot->span = r->span_outer;
+        r->span_outer = span;
+        r->span_slot = NULL;
+        Py_CLEAR(r->span_serving);
         return 0;
     }
     int failed = r->span_outer != NULL ? PyDict_SetItem(r->span_serving, r->thread, r->span_outer)
@@ -2210,11 +2266,17 @@ start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
                   unsigned long ident)
 {
     PyObject *serving = NULL, *parent = NULL, *context = NULL, *limiter = NULL, *span = NULL;
-    if (span_refs.span_type == NULL || (serving = PyObject_GetAttr(tracer, s_serving_attr)) == NULL ||
-        !PyDict_CheckExact(serving)) {
+    if (span_refs.span_type == NULL || (serving = PyObject_GetAttr(tracer, s_serving_attr)) == NULL) {
         goto general;
     }
-    if (PyDict_GET_SIZE(serving)) {
+    if (serving == (PyObject *)&serving_spans) {
+        serving_slot *slot = slot_of_thread(ident);
+        parent = slot != NULL ? slot->span : NULL;  /* borrowed */
+    }
+    else if (!PyDict_CheckExact(serving)) {
+        goto general;
+    }
+    else if (PyDict_GET_SIZE(serving)) {
         if (thread_key(thread, ident) == NULL) {
             goto done;
         }
@@ -2736,8 +2798,9 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto failed;
     }
     /* the UDF this call waits inside, if any */
-    if (thread_slot != NULL && thread_slot->site != NULL) {
-        if ((call->parent = slot_tuple(thread_slot)) == NULL) {
+    serving_slot *slot = slot_of_thread(call->thread);
+    if (slot != NULL && slot->site != NULL) {
+        if ((call->parent = slot_tuple(slot)) == NULL) {
             goto failed;
         }
     }
@@ -3767,6 +3830,7 @@ PyInit__core(void)
         PyModule_AddObjectRef(module, "CallBase", (PyObject *)&CallBaseType) < 0 ||
         PyModule_AddObjectRef(module, "FinishedCalls", (PyObject *)&FinishedCallsType) < 0 ||
         PyModule_AddObjectRef(module, "serving", (PyObject *)&serving_table) < 0 ||
+        PyModule_AddObjectRef(module, "serving_spans", (PyObject *)&serving_spans) < 0 ||
         PyModule_AddIntConstant(module, "SERIALIZE", SERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "DESERIALIZE", DESERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "RUN_FUNCTION", RUN_FUNCTION) < 0 ||

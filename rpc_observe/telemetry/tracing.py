@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from opentelemetry import context, propagate, trace
@@ -117,7 +117,8 @@ class Tracer:
         self._config = config
         self._sinks = sinks
         self._queue: collections.deque = collections.deque()
-        self.serving: dict[int, SpanRecord] = {}  # thread id -> the SERVER span of the UDF it runs
+        # thread id -> the SERVER span of the UDF it runs; hooks.attach puts the C core's table in its place
+        self.serving: MutableMapping[int, SpanRecord] = {}
         self._max_queue = config.bsp_max_queue_size
         self._wake = threading.Event()
         self._export_lock = threading.Lock()

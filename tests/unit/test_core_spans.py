@@ -163,8 +163,14 @@ def c_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.parametrize("nested", [False, True], ids=["alone", "nested"])
 @pytest.mark.parametrize("name", CONTEXTS)
 @pytest.mark.parametrize("provider", [False, True], ids=["no_provider", "provider"])
+@pytest.mark.parametrize("table", ["dict", "c_table"])
 def test_the_c_server_span_is_the_tracers(traced: runtime.Runtime, c_server: None, monkeypatch: pytest.MonkeyPatch,
-                                          name: str, nested: bool, provider: bool) -> None:
+                                          name: str, nested: bool, provider: bool, table: str) -> None:
+    """The C `_run_function`'s SERVER span against the tracer's methods, the span by thread kept in the tracer's
+    reference dict or in the C table that hooks.attach gives it."""
+    if table == "c_table":
+        monkeypatch.setattr(traced.tracer, "serving", core.serving_spans)  # type: ignore[union-attr]
+
     def run(python: bool) -> dict[str, Any]:
         ids = iter(range(1, 10_000))
         clock = iter(range(1_000, 10**9, 1_000))
@@ -198,9 +204,10 @@ SAMPLERS = ["parentbased_always_on", "always_on", "parentbased_traceidratio", "r
 @pytest.mark.parametrize("sampler", SAMPLERS)
 @pytest.mark.parametrize("situation", SITUATIONS)
 @pytest.mark.parametrize("propagators", ["tracecontext,baggage", "none"])
+@pytest.mark.parametrize("table", ["dict", "c_table"])
 def test_the_c_client_span_and_its_context_are_the_tracers(tmp_path: Path, c_server: None,
                                                            monkeypatch: pytest.MonkeyPatch, sampler: str,
-                                                           situation: str, propagators: str) -> None:
+                                                           situation: str, propagators: str, table: str) -> None:
     from opentelemetry import baggage, context
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
@@ -212,6 +219,8 @@ def test_the_c_client_span_and_its_context_are_the_tracers(tmp_path: Path, c_ser
     cfg = config.load(environ)
     rt = runtime.Runtime(cfg, "worker0", 0)
     rt.tracer = tracing.Tracer(cfg, [])
+    if table == "c_table":  # the SERVER span by thread in the C table hooks.attach gives the tracer
+        rt.tracer.serving = core.serving_spans  # type: ignore[union-attr]
     runtime.current = rt
     site = ClientSite(rt, noop, "sync", "worker1")
     monkeypatch.setattr(calls, "_time_ns", lambda: 1_700_000_000_000_000_000)  # the Python Call's clock

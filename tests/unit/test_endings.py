@@ -442,13 +442,17 @@ def test_the_c_ring_of_finished_calls_is_its_reference(seed: int) -> None:
 
 @needs_core
 @pytest.mark.parametrize("seed", range(5))
-def test_the_c_serving_table_is_its_reference(seed: int) -> None:
-    """`_core.serving` against a dict (`calls.serving`'s reference) on the same random sets, pops, deletes, gets and
-    clears, keyed by this thread's id, other live threads' ids and made-up ones: the same entries after every step,
-    and no reference kept of an entry that left."""
+@pytest.mark.parametrize("spans", [False, True], ids=["udfs", "spans"])
+def test_the_c_serving_tables_are_their_reference(seed: int, spans: bool) -> None:
+    """`_core.serving` (`_core.serving_spans`) against a dict, `calls.serving`'s (`Tracer.serving`'s) reference, on
+    the same random sets, pops, deletes, gets and clears, keyed by this thread's id, other live threads' ids and
+    made-up ones, the other table of the same slots set too: the same entries after every step, and no reference
+    kept of an entry that left."""
     assert trailer.core is not None
-    table, reference = trailer.core.serving, {}  # type: ignore[var-annotated]
-    assert len(table) == 0
+    table, other = ((trailer.core.serving_spans, trailer.core.serving) if spans
+                    else (trailer.core.serving, trailer.core.serving_spans))
+    reference: dict[int, Any] = {}
+    assert len(table) == 0 and len(other) == 0
     rng = random.Random(seed)
     sites = [object() for _ in range(3)]
     unheld = [sys.getrefcount(site) for site in sites]
@@ -471,7 +475,9 @@ def test_the_c_serving_table_is_its_reference(seed: int) -> None:
             if step < 0.5:
                 entry = (rng.choice(sites), rng.choice(["", "7", "é"]), rng.randrange(-2**63, 2**63),
                          rng.choice([0, 2**128 - 1]))
-                table[key] = reference[key] = entry
+                table[key] = reference[key] = entry[0] if spans else entry
+                if rng.random() < 0.3:  # the same slot's other value: never seen in this table
+                    other[key] = entry if spans else entry[0]
             elif step < 0.7:
                 assert table.pop(key, "none") == reference.pop(key, "none")
             elif step < 0.8 and key in reference:
@@ -480,14 +486,17 @@ def test_the_c_serving_table_is_its_reference(seed: int) -> None:
                 assert table.get(key) == reference.get(key) and (key in table) == (key in reference)
             else:
                 table.clear(), reference.clear()
+                other.clear()
             assert dict(table.items()) == reference and len(table) == len(reference)
             assert sorted(table.values(), key=repr) == sorted(reference.values(), key=repr)
         with pytest.raises(KeyError):
             table[-1]  # noqa: B018  # not a thread id: never a key
-        with pytest.raises(TypeError):
-            table[1] = ("site", "7", 0)
+        if not spans:
+            with pytest.raises(TypeError):
+                table[1] = ("site", "7", 0)
     finally:
         table.clear(), reference.clear()
+        other.clear()
         release.set()
         for thread in threads:
             thread.join()
@@ -506,7 +515,9 @@ def test_the_c_serving_table_keeps_a_slot_per_live_thread() -> None:
     def serve(tag: str, keep: bool) -> None:
         me = threading.get_ident()
         table[me] = (tag, "1", 5, 0)
+        trailer.core.serving_spans[me] = tag  # type: ignore[union-attr]  # (the same slot)
         seen.append(table.get(me))
+        del trailer.core.serving_spans[me]  # type: ignore[union-attr]
         if not keep:
             del table[me]
 
