@@ -13,6 +13,9 @@
 #include <structmember.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdint.h>
+#include <sys/random.h>
+#include <unistd.h>
 #include <string.h>
 #include <time.h>
 
@@ -1945,12 +1948,104 @@ run_state_clear(run_state *r)
     Py_CLEAR(r->span_outer);
 }
 
+/* ---- Span and trace ids of the C paths (tracing._getrandbits, random.getrandbits, is their reference) ----
+ * xoshiro256** seeded from getrandom(2), and seeded again in a forked child (as Python's random module is), so a
+ * parent and its child never draw the same ids; drawn under the GIL. No call into Python and no int per draw beyond
+ * the id itself. */
+static uint64_t id_state[4];
+static int ids_seeded;
+
+static void
+ids_after_fork(void)
+{
+    ids_seeded = 0;
+}
+
+static uint64_t
+splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static void
+ids_seed(void)
+{
+    uint64_t seed[4];
+    if (getrandom(seed, sizeof(seed), 0) != (ssize_t)sizeof(seed)) {  /* no entropy call: the clock, pid, stack */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t x = ((uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 32) ^
+                     (uint64_t)(uintptr_t)&ts;
+        for (int i = 0; i < 4; i++) {
+            seed[i] = splitmix64(&x);
+        }
+    }
+    if ((seed[0] | seed[1] | seed[2] | seed[3]) == 0) {
+        seed[0] = 1;  /* the one state xoshiro never leaves */
+    }
+    memcpy(id_state, seed, sizeof(seed));
+    ids_seeded = 1;
+}
+
+static uint64_t
+rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+/* 64 random bits. */
+static uint64_t
+random_bits(void)
+{
+    if (!ids_seeded) {
+        ids_seed();
+    }
+    uint64_t *s = id_state, result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0], s[3] ^= s[1], s[1] ^= s[2], s[0] ^= s[3], s[2] ^= t, s[3] = rotl(s[3], 45);
+    return result;
+}
+
+/* getrandbits(bits) for 64 or 128 bits: a C draw where no id source was configured, else the configured one. */
+static PyObject *
+random_id(int bits, PyObject *getrandbits, PyObject *bits_obj)
+{
+    if (getrandbits != Py_None) {
+        return PyObject_CallOneArg(getrandbits, bits_obj);
+    }
+    if (bits == 64) {
+        return PyLong_FromUnsignedLongLong(random_bits());
+    }
+    unsigned char bytes[16];  /* little-endian: the low 64 bits (what a ratio sampler reads) first */
+    uint64_t low = random_bits(), high = random_bits();
+    memcpy(bytes, &low, 8), memcpy(bytes + 8, &high, 8);
+    return _PyLong_FromByteArray(bytes, 16, 1, 0);
+}
+
+PyDoc_STRVAR(random_id_doc,
+"random_id(bits, /)\n--\n\n"
+"A span (64) or trace (128) id as the C paths draw them without a configured id source: for tests.");
+
+static PyObject *
+random_id_function(PyObject *module, PyObject *arg)
+{
+    long bits = PyLong_AsLong(arg);
+    if (bits != 64 && bits != 128) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "random_id(bits): bits is 64 or 128");
+        return NULL;
+    }
+    return random_id((int)bits, Py_None, arg);
+}
+
 /* ---- Spans: Tracer.start_server, start_client, context_text, attach, detach and end (telemetry/tracing.py),
  * inline where they are plain ---- */
 
 static struct {
     PyObject *span_type;  /* tracing.SpanRecord */
-    PyObject *getrandbits;  /* tracing._getrandbits (random.getrandbits; a test's in tests) */
+    PyObject *getrandbits;  /* None: the C draw (random_id); a test's in tests */
     PyObject *trace_module;  /* opentelemetry.trace: _TRACER_PROVIDER set means attach through its context */
     PyObject *get_current;  /* tracing._get_current: the current OpenTelemetry context */
     PyObject *span_key, *baggage_key;  /* where that context holds its span and its baggage */
@@ -2091,7 +2186,7 @@ static PyObject *
 new_span(PyObject *name, PyObject *kind, PyObject *trace_id, PyObject *parent_id, PyObject *remote, PyObject *sampled,
          PyObject *attributes, PyObject *start)
 {
-    PyObject *span_id = PyObject_CallOneArg(span_refs.getrandbits, span_refs.bits64);
+    PyObject *span_id = random_id(64, span_refs.getrandbits, span_refs.bits64);
     if (span_id == NULL) {
         return NULL;
     }
@@ -2312,7 +2407,7 @@ start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
         goto general;  /* an OpenTelemetry span is current, or the rate limiter decides */
     }
     /* a root: trace_id = getrandbits(128); sampled = (trace_id & _LOW_64) < _root_bound */
-    PyObject *trace_id = PyObject_CallOneArg(span_refs.getrandbits, span_refs.bits128);
+    PyObject *trace_id = random_id(128, span_refs.getrandbits, span_refs.bits128);
     PyObject *low = trace_id != NULL ? PyNumber_And(trace_id, span_refs.low64) : NULL;
     PyObject *bound = low != NULL ? PyObject_GetAttr(tracer, s_root_bound) : NULL;
     int sampled = bound != NULL ? PyObject_RichCompareBool(low, bound, Py_LT) : -1;
@@ -2446,7 +2541,8 @@ client_context_text(PyObject *tracer, PyObject *span)
 PyDoc_STRVAR(configure_spans_doc,
 "configure_spans(span_type, getrandbits, trace_module, get_current, span_key, baggage_key, traceparent_format,\n"
 "                flags, /)\n--\n\n"
-"Hands the inline span starts tracing.py's SpanRecord type, id source, opentelemetry.trace, current-context getter\n"
+"Hands the inline span starts tracing.py's SpanRecord type, id source (None: their own, random_id), opentelemetry.trace,\n"
+"current-context getter"
 "and keys, and propagation.py's traceparent entry format and flags (server.py, at import).");
 
 static PyObject *
@@ -3793,6 +3889,7 @@ static PyMethodDef core_methods[] = {
     {"set_pending_reply", (PyCFunction)(void (*)(void))set_pending_reply, METH_FASTCALL, set_pending_reply_doc},
     {"take_pending_reply", take_pending_reply, METH_NOARGS, take_pending_reply_doc},
     {"serving_slots", serving_slots_count, METH_NOARGS, serving_slots_doc},
+    {"random_id", random_id_function, METH_O, random_id_doc},
     {"configure_fold", (PyCFunction)(void (*)(void))configure_fold, METH_FASTCALL, configure_fold_doc},
     {"configure_spans", (PyCFunction)(void (*)(void))configure_spans, METH_FASTCALL, configure_spans_doc},
     {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},
@@ -3821,6 +3918,12 @@ PyInit__core(void)
         PyType_Ready(&FinishedCallsType) < 0 || PyType_Ready(&ServingTableType) < 0) {
         return NULL;
     }
+    static int fork_handler;
+    if (!fork_handler && pthread_atfork(NULL, NULL, ids_after_fork) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread_atfork failed");
+        return NULL;
+    }
+    fork_handler = 1;
     PyObject *module = PyModule_Create(&core_module);
     if (module == NULL) {
         return NULL;

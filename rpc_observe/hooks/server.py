@@ -143,15 +143,16 @@ if _core is not None:
     _core.configure_run(serving, _PROXIES, _site_of, _end_other, fold_served, UNKNOWN)
 
 
-def configure_spans(getrandbits: Callable[[int], int]) -> None:
+def configure_spans(getrandbits: Callable[[int], int] | None = None) -> None:
     """Hands the C core's inline span starts (the SERVER span here, the CLIENT span in `_invoke_rpc`; references:
-    tracing.Tracer's methods) what they read of tracing.py, and their id source (a test's, in tests)."""
+    tracing.Tracer's methods) what they read of tracing.py, and their id source: None, the core's own draw (no call
+    into `random` per id; reseeded in a forked child, as `random` is), or a test's."""
     if _core is not None:
         _core.configure_spans(SpanRecord, getrandbits, tracing.trace, tracing._get_current, tracing._SPAN_KEY,
                               tracing._BAGGAGE_KEY, tracing._TRACEPARENT_ENTRY_FORMAT, tracing._FLAGS)
 
 
-configure_spans(tracing._getrandbits)
+configure_spans()
 
 
 def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -7,6 +7,7 @@ traceparent parser against the regex on hostile text. Real torch objects, no RPC
 
 from __future__ import annotations
 
+import os
 import random
 import string
 import threading
@@ -157,7 +158,7 @@ def c_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     server.configure_spans(lambda bits: tracing._getrandbits(bits))
     yield
     pickler.configure_core(time.time_ns, time.perf_counter)
-    server.configure_spans(random.getrandbits)
+    server.configure_spans()
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["alone", "nested"])
@@ -336,3 +337,51 @@ def test_a_span_type_other_than_span_records_is_refused(c_server: None) -> None:
         with pytest.raises(TypeError, match="SpanRecord"):
             core.configure_spans(wrong, random.getrandbits, trace, tracing._get_current, tracing._SPAN_KEY,
                                  tracing._BAGGAGE_KEY, tracing._TRACEPARENT_ENTRY_FORMAT, tracing._FLAGS)
+
+
+@needs_c
+def test_the_c_ids_are_random_and_a_forked_child_draws_its_own() -> None:
+    """The ids the C paths draw without a configured source (`random.getrandbits` is the reference): in range, no
+    repeats, the low 64 bits of trace ids (what a ratio sampler reads) spread evenly; a forked child, like `random`,
+    is seeded again and never draws the parent's next ids."""
+    assert core is not None
+    spans = [core.random_id(64) for _ in range(20_000)]
+    traces = [core.random_id(128) for _ in range(20_000)]
+    assert len(set(spans)) == len(spans) and len(set(traces)) == len(traces)
+    assert all(0 <= i < 2**64 for i in spans) and all(0 <= i < 2**128 for i in traces)
+    assert sum(i >= 2**127 for i in traces) == pytest.approx(10_000, abs=500)  # each half of the range
+    assert sum((i & (2**64 - 1)) < 2**62 for i in traces) == pytest.approx(5_000, abs=400)  # a ratio of 0.25
+    with pytest.raises(ValueError):
+        core.random_id(32)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        try:
+            os.write(write, ",".join(str(core.random_id(64)) for _ in range(4)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = [int(i) for i in os.read(read, 4096).decode().split(",")]
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert len(child) == 4 and not set(child) & {core.random_id(64) for _ in range(4)}
+
+
+def test_the_c_client_span_of_a_new_trace_samples_its_ratio(tmp_path: Path, c_server: None) -> None:
+    """Configured as at import (the core's own ids), the C `_invoke_rpc`'s root spans sample the ratio that
+    OTEL_TRACES_SAMPLER_ARG asks for, from ids in full range."""
+    from rpc_observe.hooks.client import ClientSite
+
+    server.configure_spans()  # the core's own draw (the fixture's is the test's ids)
+    environ = {"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0",
+               "RPC_OBSERVE_METRICS": "0", "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    rt = runtime.Runtime(config.load(environ), "worker0", 0)
+    rt.tracer = tracing.Tracer(rt.config, [])
+    site = ClientSite(rt, noop, "sync", "worker1")
+    try:
+        made = [core.new_call(rt, site).span for _ in range(8_000)]  # type: ignore[union-attr]
+    finally:
+        rt.close()
+    assert len({s.trace_id for s in made}) == len(made) and len({s.span_id for s in made}) == len(made)
+    assert max(s.trace_id for s in made) >= 2**126 and all(s.parent_id == 0 for s in made)
+    assert sum(s.sampled for s in made) == pytest.approx(2_000, abs=250)
