@@ -742,41 +742,40 @@ serving_values(ServingTable *t, PyObject *unused)
     return serving_list(t, 0);
 }
 
+/* get(thread, default=None) and pop(thread[, default]): the value, removed by pop; a missing one, the default (pop
+ * without one: KeyError). */
 static PyObject *
-serving_get(ServingTable *t, PyObject *const *args, Py_ssize_t nargs)
+serving_lookup(ServingTable *t, PyObject *const *args, Py_ssize_t nargs, int pop)
 {
     if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "get(thread, default=None)");
+        PyErr_SetString(PyExc_TypeError, pop ? "pop(thread[, default])" : "get(thread, default=None)");
         return NULL;
     }
     serving_slot *s = slot_of_key(t, args[0]);
     if (s == NULL) {
+        if (pop && nargs == 1) {
+            return NULL;
+        }
         PyErr_Clear();
         return Py_NewRef(nargs == 2 ? args[1] : Py_None);
     }
-    return value_of(t, s);
+    PyObject *value = value_of(t, s);
+    if (pop && value != NULL) {
+        set_value(t, s, NULL);
+    }
+    return value;
+}
+
+static PyObject *
+serving_get(ServingTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    return serving_lookup(t, args, nargs, 0);
 }
 
 static PyObject *
 serving_pop(ServingTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "pop(thread[, default])");
-        return NULL;
-    }
-    serving_slot *s = slot_of_key(t, args[0]);
-    if (s == NULL) {
-        if (nargs == 1) {
-            return NULL;
-        }
-        PyErr_Clear();
-        return Py_NewRef(args[1]);
-    }
-    PyObject *value = value_of(t, s);
-    if (value != NULL) {
-        set_value(t, s, NULL);
-    }
-    return value;
+    return serving_lookup(t, args, nargs, 1);
 }
 
 static int
