@@ -502,13 +502,18 @@ take_pending_reply(PyObject *module, PyObject *unused)
  * own through a thread local. A slot is never freed: an ended thread's empty slot is taken by the next thread that
  * needs one, so there are at most as many as threads alive at once (plus entries set by hand for an id no thread
  * has). `_core.serving` and `_core.serving_spans` are the dict-like views of the two tables. */
+/* A UDF entry: (site, call id, start ns, trace id), as calls.Served. */
+typedef struct {
+    PyObject *site, *call_id, *trace_id;  /* strong; site NULL: none */
+    long long start_ns;
+} served_entry;
+
 typedef struct serving_slot {
     struct serving_slot *next;
     unsigned long thread;
     int adopted;  /* a thread's own (its thread local points here) */
     int owner_gone;  /* that thread ended (set by its pthread key's destructor, without the GIL: atomic) */
-    PyObject *site, *call_id, *trace_id;  /* strong; site NULL: no UDF entry */
-    long long start_ns;
+    served_entry udf;
     PyObject *span;  /* strong; NULL: no span entry */
 } serving_slot;
 
@@ -527,7 +532,7 @@ slot_owner_ended(void *slot)
 static int
 slot_empty(serving_slot *s)
 {
-    return s->site == NULL && s->span == NULL;
+    return s->udf.site == NULL && s->span == NULL;
 }
 
 static int
@@ -607,18 +612,12 @@ slot_of_thread(unsigned long ident)
     return thread_slot != NULL ? thread_slot : foreign_slots ? slot_find(ident) : NULL;
 }
 
-/* A slot's UDF entry, as it was: what `slot_swap` swaps out and puts back. */
-typedef struct {
-    PyObject *site, *call_id, *trace_id;  /* strong; site NULL: none */
-    long long start_ns;
-} served_entry;
-
 /* Puts `entry` (its references moved in) into `s`; what was there moves out to `entry`. */
 static void
 slot_swap(serving_slot *s, served_entry *entry)
 {
-    served_entry old = {s->site, s->call_id, s->trace_id, s->start_ns};
-    s->site = entry->site, s->call_id = entry->call_id, s->trace_id = entry->trace_id, s->start_ns = entry->start_ns;
+    served_entry old = s->udf;
+    s->udf = *entry;
     *entry = old;
 }
 
@@ -634,7 +633,7 @@ entry_release(served_entry *entry)
 static PyObject *
 slot_tuple(serving_slot *s)
 {
-    return Py_BuildValue("(OOLO)", s->site, s->call_id, s->start_ns, s->trace_id);
+    return Py_BuildValue("(OOLO)", s->udf.site, s->udf.call_id, s->udf.start_ns, s->udf.trace_id);
 }
 
 /* A view of one of the two tables. */
@@ -648,7 +647,7 @@ static PyTypeObject ServingTableType;
 static int
 has_value(ServingTable *t, serving_slot *s)
 {
-    return t->spans ? s->span != NULL : s->site != NULL;
+    return t->spans ? s->span != NULL : s->udf.site != NULL;
 }
 
 /* The slot's value in this table (a new reference). */
@@ -683,13 +682,20 @@ set_value(ServingTable *t, serving_slot *s, PyObject *value)
     return 0;
 }
 
+/* `key` as a thread id; -1 if it is not one (an int from 0): KeyError when looked up (never a key), TypeError when
+ * set (`setting`). */
 static int
-thread_of(PyObject *key, unsigned long *thread)
+thread_of(PyObject *key, unsigned long *thread, int setting)
 {
     *thread = PyLong_Check(key) ? PyLong_AsUnsignedLong(key) : (unsigned long)-1;
     if (*thread == (unsigned long)-1 && (!PyLong_Check(key) || PyErr_Occurred())) {
         PyErr_Clear();
-        PyErr_SetObject(PyExc_KeyError, key);  /* not a thread id: never a key */
+        if (setting) {
+            PyErr_SetString(PyExc_TypeError, "a key is a thread id (an int from 0)");
+        }
+        else {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
         return -1;
     }
     return 0;
@@ -700,7 +706,7 @@ static serving_slot *
 slot_of_key(ServingTable *t, PyObject *key)
 {
     unsigned long thread;
-    if (thread_of(key, &thread) < 0) {
+    if (thread_of(key, &thread, 0) < 0) {
         return NULL;
     }
     serving_slot *s = slot_find(thread);
@@ -786,9 +792,7 @@ serving_set(ServingTable *t, PyObject *key, PyObject *value)
         serving_slot *s = slot_of_key(t, key);
         return s != NULL ? set_value(t, s, NULL) : -1;
     }
-    if (!PyLong_Check(key) || ((thread = PyLong_AsUnsignedLong(key)) == (unsigned long)-1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "a key is a thread id (an int from 0)");
+    if (thread_of(key, &thread, 1) < 0) {
         return -1;
     }
     serving_slot *s = thread == PyThread_get_thread_ident() ? own_slot() : slot_make(thread);
@@ -2894,7 +2898,7 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     /* the UDF this call waits inside, if any */
     serving_slot *slot = slot_of_thread(call->thread);
-    if (slot != NULL && slot->site != NULL) {
+    if (slot != NULL && slot->udf.site != NULL) {
         if ((call->parent = slot_tuple(slot)) == NULL) {
             goto failed;
         }

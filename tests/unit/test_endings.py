@@ -538,6 +538,34 @@ def test_the_c_serving_table_keeps_a_slot_per_live_thread() -> None:
 
 
 @needs_core
+def test_an_entry_set_for_a_thread_without_a_slot_is_its_parent_in_c(world: runtime.Runtime) -> None:
+    """A value another thread set for a thread that has no slot of its own yet (as a test may, in the dict) is what
+    that thread's C call reads as its parent, as `calls.Call` reads it from the table: the C readers look the thread
+    up when such values exist instead of missing them."""
+    assert trailer.core is not None
+    site = ClientSite(world, noop, "sync", "worker1")
+    entry = ("a served UDF", "9", START_NS - 5, 0)
+    ready, go, parents = threading.Event(), threading.Event(), []
+
+    def call_from_a_new_thread() -> None:
+        ready.set()
+        go.wait()
+        parents.extend([trailer.core.new_call(world, site).parent, calls.Call(world, site).parent])  # type: ignore[union-attr]
+
+    thread = threading.Thread(target=call_from_a_new_thread)
+    thread.start()
+    ready.wait()
+    assert thread.ident is not None
+    calls.serving[thread.ident] = entry  # set here, for the other thread: a slot it did not make
+    try:
+        go.set()
+        thread.join()
+    finally:
+        calls.serving.pop(thread.ident, None)
+    assert parents == [entry, entry]
+
+
+@needs_core
 def test_a_resized_flight_recorder_keeps_the_calls_the_c_core_ends(world: runtime.Runtime) -> None:
     """RPC_OBSERVE_RECORDER_SIZE resizes the one ring the C ending writes to (it once kept appending to a deque the
     recorder no longer read): the newest calls, as many as the size says."""
