@@ -1460,6 +1460,8 @@ static PyTypeObject FinishedCallsType = {
 
 static PyObject *client_context_text(PyObject *tracer, PyObject *span);  /* with the spans, below */
 static int end_span(PyObject *tracer, PyObject *span, long long end_ns);
+enum { SPAN_TRACE_ID = 2, SPAN_SPAN_ID = 3, SPAN_SAMPLED = 6, SPAN_END_NS = 9, SPAN_CALLEE_NS = 12 };  /* span_slots */
+static int span_set(PyObject *span, int i, PyObject *name, PyObject *value);
 
 /* The echoed response of a call in flight: ends the call (pickler.py's Python fast path, line by line). */
 static PyObject *
@@ -1536,7 +1538,7 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
     }
     if (span != Py_None) {
         PyObject *tracer = NULL, *callee = PyLong_FromLongLong(callee_ns);
-        int failed = callee == NULL || PyObject_SetAttr(span, s_callee_ns, callee) < 0 ||
+        int failed = callee == NULL || span_set(span, SPAN_CALLEE_NS, s_callee_ns, callee) < 0 ||
                      (tracer = GET(runtime, s_tracer)) == NULL || end_span(tracer, span, end_ns) < 0;
         Py_XDECREF(callee);
         Py_XDECREF(tracer);
@@ -2208,6 +2210,116 @@ new_span(PyObject *name, PyObject *kind, PyObject *trace_id, PyObject *parent_id
     return span;
 }
 
+/* A slot of a span of span_refs.span_type read or written at its offset; another type (a test's record) by name. */
+#define SPAN_SLOT(span, i) (*(PyObject **)((char *)(span) + span_offsets[i]))
+static int
+is_span_record(PyObject *span)
+{
+    return span_refs.span_type != NULL && Py_IS_TYPE(span, (PyTypeObject *)span_refs.span_type);
+}
+
+/* The slot's value (a new reference); NULL with an error. */
+static PyObject *
+span_get(PyObject *span, int i, PyObject *name)
+{
+    PyObject *value = is_span_record(span) ? SPAN_SLOT(span, i) : NULL;
+    return value != NULL ? Py_NewRef(value) : PyObject_GetAttr(span, name);
+}
+
+static int
+span_set(PyObject *span, int i, PyObject *name, PyObject *value)
+{
+    if (!is_span_record(span)) {
+        return PyObject_SetAttr(span, name, value);
+    }
+    Py_XSETREF(SPAN_SLOT(span, i), Py_NewRef(value));
+    return 0;
+}
+
+/* What the inline span paths read of the tracer, read once per tracer: Tracer.__setattr__ calls
+ * tracer_settings_changed (Tracer.settings_changed, set by server.configure_spans) when one of them is set again, so
+ * the next span reads them anew. The tracer is held, so that no other object can take its address while cached. */
+static struct {
+    PyObject *tracer;  /* strong; NULL: nothing cached */
+    PyObject *serving, *queue;  /* strong */
+    Py_ssize_t max_queue;
+    int fast_propagation, parent_based, propagates, limited;
+    enum { ROOT_GENERAL, ROOT_ALL, ROOT_BELOW } roots;  /* _root_bound: not an int of [0, 2**64), so Python decides;
+                                                          * above every trace id's low 64 bits; a bound of them */
+    unsigned long long root_bound;  /* ROOT_BELOW */
+} tracer_cache;
+
+static void
+forget_tracer(void)
+{
+    PyObject *tracer = tracer_cache.tracer, *serving = tracer_cache.serving, *queue = tracer_cache.queue;
+    tracer_cache.tracer = tracer_cache.serving = tracer_cache.queue = NULL;
+    Py_XDECREF(serving);
+    Py_XDECREF(queue);
+    Py_XDECREF(tracer);
+}
+
+/* The cache filled for `tracer`: 0, or -1 with an error (the cache left empty). */
+static int
+tracer_settings(PyObject *tracer)
+{
+    if (tracer_cache.tracer == tracer) {
+        return 0;
+    }
+    forget_tracer();
+    PyObject *serving = PyObject_GetAttr(tracer, s_serving_attr);
+    PyObject *queue = serving != NULL ? PyObject_GetAttr(tracer, s_queue) : NULL;
+    PyObject *bound = queue != NULL ? PyObject_GetAttr(tracer, s_root_bound) : NULL;
+    PyObject *max = bound != NULL ? PyObject_GetAttr(tracer, s_max_queue) : NULL;
+    PyObject *limiter = max != NULL ? PyObject_GetAttr(tracer, s_limiter) : NULL;
+    Py_ssize_t max_queue = limiter != NULL ? PyLong_AsSsize_t(max) : -1;
+    int fast = -1, parent_based = -1, propagates = -1;
+    if (!(max_queue == -1 && PyErr_Occurred()) && limiter != NULL &&
+        (fast = attr_true(tracer, s_fast_propagation)) >= 0 && (parent_based = attr_true(tracer, s_parent_based)) >= 0) {
+        propagates = attr_true(tracer, s_propagates);
+    }
+    int roots = ROOT_GENERAL;
+    unsigned long long root_bound = 0;
+    if (propagates >= 0 && PyLong_CheckExact(bound)) {
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(bound, &overflow);  /* cannot fail on an exact int */
+        if (overflow > 0) {
+            root_bound = PyLong_AsUnsignedLongLong(bound);  /* 2**63 to 2**64 - 1, or (an error) above */
+            roots = root_bound == (unsigned long long)-1 && PyErr_Occurred() ? ROOT_ALL : ROOT_BELOW;
+            PyErr_Clear();
+        }
+        else if (overflow == 0 && value >= 0) {
+            roots = ROOT_BELOW, root_bound = (unsigned long long)value;
+        }
+    }
+    Py_XDECREF(bound);
+    Py_XDECREF(max);
+    if (propagates < 0) {
+        Py_XDECREF(serving);
+        Py_XDECREF(queue);
+        Py_XDECREF(limiter);
+        return -1;
+    }
+    forget_tracer();  /* reading may have run code that filled it */
+    tracer_cache.serving = serving, tracer_cache.queue = queue, tracer_cache.max_queue = max_queue;
+    tracer_cache.fast_propagation = fast, tracer_cache.parent_based = parent_based, tracer_cache.propagates = propagates;
+    tracer_cache.limited = limiter != Py_None, tracer_cache.roots = roots, tracer_cache.root_bound = root_bound;
+    tracer_cache.tracer = Py_NewRef(tracer);
+    Py_DECREF(limiter);
+    return 0;
+}
+
+PyDoc_STRVAR(tracer_settings_changed_doc,
+"tracer_settings_changed()\n--\n\n"
+"Forgets the tracer settings the inline span paths read once per tracer (Tracer.__setattr__ calls it).");
+
+static PyObject *
+tracer_settings_changed(PyObject *module, PyObject *unused)
+{
+    forget_tracer();
+    Py_RETURN_NONE;
+}
+
 /* tracer.start_server(name, attributes, fields[4:], start_ns): inline for a caller that sent one valid traceparent to
  * a tracer that follows its flag (tracecontext/baggage propagators, a parentbased_ sampler); else the method. */
 static PyObject *
@@ -2217,11 +2329,10 @@ start_server_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
     int sampled = 0, fast = span_refs.span_type != NULL && fields != Py_None && PyList_GET_SIZE(fields) == 5 &&
                            read_traceparent(PyList_GET_ITEM(fields, 4), &trace_hex, &parent_hex, &sampled);
     if (fast) {
-        int propagates = attr_true(tracer, s_fast_propagation), parent_based = attr_true(tracer, s_parent_based);
-        if (propagates < 0 || parent_based < 0) {
+        if (tracer_settings(tracer) < 0) {
             return NULL;
         }
-        fast = propagates && parent_based;
+        fast = tracer_cache.fast_propagation && tracer_cache.parent_based;
     }
     PyObject *start = PyLong_FromLongLong(start_ns);
     if (start == NULL) {
@@ -2259,9 +2370,10 @@ attach_server_span(run_state *r)
     if (!plain) {
         return (r->token = PyObject_CallMethodOneArg(r->tracer, s_attach, r->span)) == NULL ? -1 : 0;
     }
-    if ((r->span_serving = PyObject_GetAttr(r->tracer, s_serving_attr)) == NULL) {
+    if (tracer_settings(r->tracer) < 0) {
         return -1;
     }
+    r->span_serving = Py_NewRef(tracer_cache.serving);
     if (r->span_serving == (PyObject *)&serving_spans) {  /* this thread's slot (the C table of hooks.attach) */
         if ((r->span_slot = own_slot()) == NULL) {
             Py_CLEAR(r->span_serving);
@@ -2324,24 +2436,25 @@ static int
 end_span(PyObject *tracer, PyObject *span, long long end_ns)
 {
     PyObject *end = PyLong_FromLongLong(end_ns);
-    if (end == NULL || PyObject_SetAttr(span, s_end_ns, end) < 0) {
+    if (end == NULL || span_set(span, SPAN_END_NS, s_end_ns, end) < 0) {
         Py_XDECREF(end);
         return -1;
     }
-    int sampled = attr_true(span, s_sampled_attr);
-    if (sampled <= 0) {
+    PyObject *flag = span_get(span, SPAN_SAMPLED, s_sampled_attr);
+    int sampled = flag != NULL ? PyObject_IsTrue(flag) : -1;
+    Py_XDECREF(flag);
+    if (sampled <= 0 || tracer_settings(tracer) < 0) {
         Py_DECREF(end);
-        return sampled;
+        return sampled <= 0 ? sampled : -1;
     }
-    PyObject *queue = PyObject_GetAttr(tracer, s_queue), *max = PyObject_GetAttr(tracer, s_max_queue);
-    Py_ssize_t size = queue != NULL ? PyObject_Length(queue) : -1, limit = max != NULL ? PyLong_AsSsize_t(max) : -1;
+    PyObject *queue = Py_NewRef(tracer_cache.queue);  /* held: append may run code that empties the cache */
+    Py_ssize_t size = PyObject_Length(queue);
     PyObject *done = NULL;
-    if (size >= 0 && !(limit == -1 && PyErr_Occurred())) {
-        done = size < limit ? PyObject_CallMethodOneArg(queue, s_append, span)
-                            : PyObject_CallMethodObjArgs(tracer, s_end, span, end, NULL);
+    if (size >= 0) {
+        done = size < tracer_cache.max_queue ? PyObject_CallMethodOneArg(queue, s_append, span)
+                                             : PyObject_CallMethodObjArgs(tracer, s_end, span, end, NULL);
     }
-    Py_XDECREF(queue);
-    Py_XDECREF(max);
+    Py_DECREF(queue);
     Py_DECREF(end);
     Py_XDECREF(done);
     return done != NULL ? 0 : -1;
@@ -2363,10 +2476,11 @@ static PyObject *
 start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObject *start, PyObject **thread,
                   unsigned long ident)
 {
-    PyObject *serving = NULL, *parent = NULL, *context = NULL, *limiter = NULL, *span = NULL;
-    if (span_refs.span_type == NULL || (serving = PyObject_GetAttr(tracer, s_serving_attr)) == NULL) {
+    PyObject *serving = NULL, *parent = NULL, *context = NULL, *span = NULL;
+    if (span_refs.span_type == NULL || tracer_settings(tracer) < 0) {
         goto general;
     }
+    serving = Py_NewRef(tracer_cache.serving);
     if (serving == (PyObject *)&serving_spans) {
         serving_slot *slot = slot_of_thread(ident);
         parent = slot != NULL ? slot->span : NULL;  /* borrowed */
@@ -2384,12 +2498,14 @@ start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
         }
     }
     if (parent != NULL) {  /* a child of the SERVER span this thread serves */
-        PyObject *trace_id = PyObject_GetAttr(parent, s_trace_id_attr);
-        PyObject *parent_id = trace_id != NULL ? PyObject_GetAttr(parent, s_span_id_attr) : NULL;
-        PyObject *sampled = parent_id != NULL ? PyObject_GetAttr(parent, s_sampled_attr) : NULL;
+        Py_INCREF(parent);  /* held while its slots are read */
+        PyObject *trace_id = span_get(parent, SPAN_TRACE_ID, s_trace_id_attr);
+        PyObject *parent_id = trace_id != NULL ? span_get(parent, SPAN_SPAN_ID, s_span_id_attr) : NULL;
+        PyObject *sampled = parent_id != NULL ? span_get(parent, SPAN_SAMPLED, s_sampled_attr) : NULL;
         if (sampled != NULL) {
             span = new_span(name, span_refs.client_kind, trace_id, parent_id, Py_False, sampled, attributes, start);
         }
+        Py_DECREF(parent);
         Py_XDECREF(trace_id);
         Py_XDECREF(parent_id);
         Py_XDECREF(sampled);
@@ -2405,22 +2521,20 @@ start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
     if (current == NULL && PyErr_Occurred()) {
         goto done;
     }
-    if ((current != NULL && current != Py_None) || (limiter = PyObject_GetAttr(tracer, s_limiter)) == NULL ||
-        limiter != Py_None) {
+    if ((current != NULL && current != Py_None) || tracer_settings(tracer) < 0 || tracer_cache.limited ||
+        tracer_cache.roots == ROOT_GENERAL) {
         goto general;  /* an OpenTelemetry span is current, or the rate limiter decides */
     }
     /* a root: trace_id = getrandbits(128); sampled = (trace_id & _LOW_64) < _root_bound */
+    int all = tracer_cache.roots == ROOT_ALL;
+    unsigned long long bound = tracer_cache.root_bound;
     PyObject *trace_id = random_id(128, span_refs.getrandbits, span_refs.bits128);
-    PyObject *low = trace_id != NULL ? PyNumber_And(trace_id, span_refs.low64) : NULL;
-    PyObject *bound = low != NULL ? PyObject_GetAttr(tracer, s_root_bound) : NULL;
-    int sampled = bound != NULL ? PyObject_RichCompareBool(low, bound, Py_LT) : -1;
-    if (sampled >= 0) {
-        span = new_span(name, span_refs.client_kind, trace_id, span_refs.zero, Py_False, sampled ? Py_True : Py_False,
-                        attributes, start);
+    unsigned long long low = trace_id != NULL ? PyLong_AsUnsignedLongLongMask(trace_id) : (unsigned long long)-1;
+    if (trace_id != NULL && !(low == (unsigned long long)-1 && PyErr_Occurred())) {
+        span = new_span(name, span_refs.client_kind, trace_id, span_refs.zero, Py_False,
+                        all || low < bound ? Py_True : Py_False, attributes, start);
     }
     Py_XDECREF(trace_id);
-    Py_XDECREF(low);
-    Py_XDECREF(bound);
     goto done;
 general:
     if (!PyErr_Occurred()) {
@@ -2429,7 +2543,6 @@ general:
 done:
     Py_XDECREF(serving);
     Py_XDECREF(context);
-    Py_XDECREF(limiter);
     return span;
 }
 
@@ -2502,12 +2615,14 @@ traceparent_entry(PyObject *trace_id, PyObject *span_id, PyObject *flag)
 static PyObject *
 client_context_text(PyObject *tracer, PyObject *span)
 {
-    int propagates = span_refs.span_type != NULL ? attr_true(tracer, s_propagates) : 1;
-    int fast = propagates > 0 && span_refs.span_type != NULL ? attr_true(tracer, s_fast_propagation) : 0;
-    if (propagates < 0 || fast < 0) {
+    if (span_refs.span_type == NULL) {
+        return PyObject_CallMethodOneArg(tracer, s_context_text, span);
+    }
+    if (tracer_settings(tracer) < 0) {
         return NULL;
     }
-    if (!propagates) {
+    int fast = tracer_cache.fast_propagation;
+    if (!tracer_cache.propagates) {
         return PyUnicode_FromStringAndSize(NULL, 0);
     }
     PyObject *context = fast ? PyObject_CallNoArgs(span_refs.get_current) : NULL;
@@ -2523,9 +2638,9 @@ client_context_text(PyObject *tracer, PyObject *span)
         return PyObject_CallMethodOneArg(tracer, s_context_text, span);
     }
     /* TRACEPARENT_ENTRY_FORMAT % (span.trace_id, span.span_id, FLAGS[span.sampled]) */
-    PyObject *trace_id = PyObject_GetAttr(span, s_trace_id_attr);
-    PyObject *span_id = trace_id != NULL ? PyObject_GetAttr(span, s_span_id_attr) : NULL;
-    PyObject *sampled = span_id != NULL ? PyObject_GetAttr(span, s_sampled_attr) : NULL;
+    PyObject *trace_id = span_get(span, SPAN_TRACE_ID, s_trace_id_attr);
+    PyObject *span_id = trace_id != NULL ? span_get(span, SPAN_SPAN_ID, s_span_id_attr) : NULL;
+    PyObject *sampled = span_id != NULL ? span_get(span, SPAN_SAMPLED, s_sampled_attr) : NULL;
     PyObject *flag = sampled != NULL ? PyObject_GetItem(span_refs.flags, sampled) : NULL;
     PyObject *text = flag != NULL ? traceparent_entry(trace_id, span_id, flag) : NULL;
     PyObject *values = flag != NULL && text == NULL && !PyErr_Occurred() ? PyTuple_Pack(3, trace_id, span_id, flag)
@@ -3893,6 +4008,7 @@ static PyMethodDef core_methods[] = {
     {"take_pending_reply", take_pending_reply, METH_NOARGS, take_pending_reply_doc},
     {"serving_slots", serving_slots_count, METH_NOARGS, serving_slots_doc},
     {"random_id", random_id_function, METH_O, random_id_doc},
+    {"tracer_settings_changed", tracer_settings_changed, METH_NOARGS, tracer_settings_changed_doc},
     {"configure_fold", (PyCFunction)(void (*)(void))configure_fold, METH_FASTCALL, configure_fold_doc},
     {"configure_spans", (PyCFunction)(void (*)(void))configure_spans, METH_FASTCALL, configure_spans_doc},
     {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},

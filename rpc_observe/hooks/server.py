@@ -150,6 +150,7 @@ def configure_spans(getrandbits: Callable[[int], int] | None = None) -> None:
     if _core is not None:
         _core.configure_spans(SpanRecord, getrandbits, tracing.trace, tracing._get_current, tracing._SPAN_KEY,
                               tracing._BAGGAGE_KEY, tracing._TRACEPARENT_ENTRY_FORMAT, tracing._FLAGS)
+        tracing.Tracer.settings_changed = _core.tracer_settings_changed
 
 
 configure_spans()

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, MutableMapping
-from typing import Any
+from typing import Any, ClassVar
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.baggage import _BAGGAGE_KEY
@@ -112,6 +112,22 @@ class RateLimiter:
 
 class Tracer:
     """Starts span records, samples them, carries their context, and queues them."""
+
+    # The C core's span paths read these once per tracer (server.configure_spans sets `settings_changed`): setting
+    # one again tells it to read them anew.
+    _SETTINGS = frozenset({"serving", "_queue", "_max_queue", "_fast_propagation", "_propagates", "_parent_based",
+                           "_root_bound", "_limiter"})
+    settings_changed: ClassVar[Callable[[], None] | None] = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in Tracer._SETTINGS and Tracer.settings_changed is not None:
+            Tracer.settings_changed()
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        if name in Tracer._SETTINGS and Tracer.settings_changed is not None:
+            Tracer.settings_changed()
 
     def __init__(self, config: Config, sinks: list[Any], clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config

@@ -385,3 +385,67 @@ def test_the_c_client_span_of_a_new_trace_samples_its_ratio(tmp_path: Path, c_se
     assert len({s.trace_id for s in made}) == len(made) and len({s.span_id for s in made}) == len(made)
     assert max(s.trace_id for s in made) >= 2**126 and all(s.parent_id == 0 for s in made)
     assert sum(s.sampled for s in made) == pytest.approx(2_000, abs=250)
+
+
+CHANGES: list[tuple[str, Any]] = [
+    ("_propagates", False), ("_propagates", True), ("_root_bound", 0), ("_root_bound", 1 << 64),
+    ("_root_bound", (1 << 64) - 1), ("_root_bound", 1 << 63), ("_root_bound", -1), ("_root_bound", 3.5),
+    ("_limiter", "a limiter"), ("_limiter", None), ("_fast_propagation", False), ("_max_queue", 0),
+    ("_max_queue", 100), ("serving", "the C table"), ("_queue", "a new deque"),
+]
+
+
+def test_a_tracer_setting_set_again_reaches_the_c_paths(tmp_path: Path, c_server: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C span paths read the tracer's settings once per tracer (Tracer.__setattr__ tells them to read them anew):
+    after each change, made after C spans have read the settings, a C root CLIENT span, its context and a C SERVER
+    span's queueing are the Python paths'."""
+    from rpc_observe.hooks.client import ClientSite
+
+    environ = {"RPC_OBSERVE_DIR": str(tmp_path), "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0",
+               "RPC_OBSERVE_METRICS": "0", "OTEL_BSP_SCHEDULE_DELAY": "3600000",
+               "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.5"}
+    cfg = config.load(environ)
+    rt = runtime.Runtime(cfg, "worker0", 0)
+    tracer = rt.tracer = tracing.Tracer(cfg, [])
+    runtime.current = rt
+    site = ClientSite(rt, noop, "sync", "worker1")
+    try:
+        for name, value in [("", None), *CHANGES]:
+            if value == "a limiter":
+                value = tracing.RateLimiter(0.5)
+            elif value == "the C table":
+                value = core.serving_spans  # type: ignore[union-attr]
+            elif value == "a new deque":
+                value = type(tracer._queue)()
+            if name:
+                setattr(tracer, name, value)
+            made = []
+            for c in (False, True):
+                ids = iter(range(1, 10_000))
+                monkeypatch.setattr(tracing, "_getrandbits", lambda bits, ids=ids: next(ids) * (2**63 + 2**61 + 1))
+                if tracer._limiter is not None:  # a full bucket each way
+                    object.__setattr__(tracer, "_limiter", tracing.RateLimiter(0.5))  # not a change of setting
+                monkeypatch.setattr(pickler, "_core", core if c else None)
+                monkeypatch.setattr(server, "_core", core if c else None)
+                spans, context = [], []
+                for _ in range(3):
+                    call = (core.new_call if c else calls.Call)(rt, site)  # type: ignore[union-attr]
+                    calls.set_current_call(call)
+                    data, _ = pickler.wrap_serialize(lambda self, o: (b"P.", []))(None, PythonUDF(noop, (), {}))
+                    calls.set_current_call(None)
+                    spans.append(call.span)
+                    context.append(trailer.split(data)[1][trailer.CONTEXT:])  # type: ignore[index]
+                for _ in range(2):
+                    assert server.wrap_run_function(lambda python_udf: 1)(udf_with([VALID])) == 1
+                made.append(([s.sampled for s in spans], context, len(tracer._queue)))
+                if not name:  # roots sampled and not, the SERVER spans queued: each change can show
+                    assert True in made[-1][0] and False in made[-1][0] and made[-1][2] == 2
+                tracer._queue.clear()
+            assert made[0] == made[1], (name, value)
+    finally:
+        calls.set_current_call(None)
+        calls.in_flight.clear()
+        calls.take_pending_reply()
+        runtime.current = None
+        rt.close()
