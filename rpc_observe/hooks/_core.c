@@ -31,8 +31,6 @@
 /* The longest decimal number a long long holds in full: 18 digits (19 may overflow). */
 #define SAFE_DIGITS 18
 
-static PyObject *sep_str;  /* "\x1f" */
-
 /* A decimal number of 1..MAX_CALL_ID_DIGITS ASCII digits as an int; NULL (no error set) if it is not one. */
 static PyObject *
 digits_to_int(const char *s, Py_ssize_t n)
@@ -119,37 +117,74 @@ read_response(const char *p, Py_ssize_t n, trailer_view *out)
     return RESPONSE;
 }
 
-/* A request's payload (UTF-8, fields split by 0x1f). NONE if it is not a valid one. */
+/* The text a request's head repeats (its kind, the caller's name, its mode) as the same object for the same bytes, so
+ * that a request makes no string for them (and their hashes, which the site lookup reads, are already known):
+ * direct-mapped by an FNV-1a hash of the bytes, each held until other bytes take its entry. NULL with an error; a
+ * UnicodeDecodeError for bytes that are not UTF-8, as decoding them does. */
+#define HEAD_STRINGS 64
+#define HEAD_STRING_MAX 64  /* longer: decoded each time */
+static PyObject *head_strings[HEAD_STRINGS];
+
+static PyObject *
+head_string(const char *p, Py_ssize_t n)
+{
+    if (n > HEAD_STRING_MAX) {
+        return PyUnicode_DecodeUTF8(p, n, "strict");
+    }
+    uint64_t hash = 14695981039346656037ULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hash = (hash ^ (unsigned char)p[i]) * 1099511628211ULL;
+    }
+    PyObject **entry = &head_strings[hash % HEAD_STRINGS], *text = *entry;
+    if (text != NULL) {
+        Py_ssize_t size;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(text, &size);  /* ASCII: its data; else made once, kept */
+        if (utf8 != NULL && size == n && memcmp(utf8, p, (size_t)n) == 0) {
+            return Py_NewRef(text);
+        }
+        PyErr_Clear();  /* no memory for the UTF-8 copy: a miss */
+    }
+    if ((text = PyUnicode_DecodeUTF8(p, n, "strict")) != NULL) {
+        Py_XSETREF(*entry, Py_NewRef(text));
+    }
+    return text;
+}
+
+/* A request's payload (UTF-8, fields split by 0x1f: as the payload decoded and split, since 0x1f is never part of
+ * a multi-byte character). NONE if it is not a valid one. */
 static enum kind
 read_request(const char *p, Py_ssize_t n, trailer_view *out)
 {
-    PyObject *text = PyUnicode_DecodeUTF8(p, n, "strict");
-    if (text == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
-            return FAILED;
-        }
-        PyErr_Clear();
+    Py_ssize_t count = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        count += p[i] == SEP;
+    }
+    if (count < 4) {  /* kind, src, mode, call id, context...: the call id empty or digits */
         return NONE;
     }
-    PyObject *fields = PyUnicode_Split(text, sep_str, -1);
-    Py_DECREF(text);
+    PyObject *fields = PyList_New(count);
     if (fields == NULL) {
         return FAILED;
     }
-    /* kind, src, mode, call id, context...: the call id empty or digits */
-    if (PyList_GET_SIZE(fields) < 4) {
-        Py_DECREF(fields);
-        return NONE;
-    }
-    Py_ssize_t id_len;
-    const char *id = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(fields, 3), &id_len);
-    if (id == NULL) {
-        Py_DECREF(fields);
-        return FAILED;
-    }
-    if (!valid_call_id(id, id_len)) {
-        Py_DECREF(fields);
-        return NONE;
+    const char *at = p, *end = p + n;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const char *sep = memchr(at, SEP, (size_t)(end - at));
+        Py_ssize_t size = (sep != NULL ? sep : end) - at;
+        if (i == 3 && !valid_call_id(at, size)) {
+            Py_DECREF(fields);
+            return NONE;
+        }
+        PyObject *field = i < 3 ? head_string(at, size) : PyUnicode_DecodeUTF8(at, size, "strict");
+        if (field == NULL) {
+            Py_DECREF(fields);
+            if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+                return FAILED;
+            }
+            PyErr_Clear();
+            return NONE;
+        }
+        PyList_SET_ITEM(fields, i, field);
+        at = sep != NULL ? sep + 1 : end;
     }
     out->fields = fields;
     return REQUEST;
@@ -4026,7 +4061,7 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if ((sep_str == NULL && (sep_str = PyUnicode_FromStringAndSize("\x1f", 1)) == NULL) || intern_names() < 0 ||
+    if (intern_names() < 0 ||
         (s_current == NULL && (s_current = PyUnicode_InternFromString("current")) == NULL) ||
         (hook_refs.where_serialize == NULL &&
          (hook_refs.where_serialize = PyUnicode_InternFromString("serialize")) == NULL) ||

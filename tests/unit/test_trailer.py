@@ -145,6 +145,9 @@ def test_request_trailer_packs_as_pack_does(head: str, call_id: int, context: st
     assert trailer.request_trailer(head, call_id, context) == trailer._pack(text)
 
 
+VALID_CONTEXT = b"traceparent=00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
 def _hostile_tails(seed: int, count: int) -> list[bytes]:
     """Trailers as a broken or hostile peer could send them: valid ones with bytes flipped, cut, grown,
     a lying length field, random payloads behind the magic, and random bytes with no magic at all."""
@@ -223,6 +226,32 @@ def test_parse_agrees_with_split() -> None:
             callee = fields[trailer.RESPONSE_CALLEE_US] if len(fields) > trailer.RESPONSE_CALLEE_US else ""
             known = callee and len(callee) <= trailer.MAX_CALLEE_US_DIGITS
             assert parsed == (size, int(fields[trailer.RESPONSE_CALL_ID]), int(callee) if known else -1), data
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(3))
+def test_c_parse_of_many_callers_and_modes_is_the_references(seed: int) -> None:
+    """The C parser keeps the text a request's head repeats (kind, caller, mode) by its bytes in a small table:
+    requests from many callers, whose names share prefixes, lengths and table entries, some not UTF-8 or longer
+    than what the table keeps, are read exactly as the reference reads them; the same head gives the same objects."""
+    import random
+
+    assert C is not None
+    rng = random.Random(seed)
+    names = ["", "w", "worker", "trainer", "\u00e9", "w\u00f6rker", "ps" * 40, "x" * 64, "x" * 65]
+    names += [f"worker{i}" for i in range(120)] + ["\U0001f600" * rng.randint(1, 20) for _ in range(10)]
+    raw = [b"\xff", b"w\xc3", b"\xc3(", b"ok\xed\xa0\x80"]  # not UTF-8
+    for _ in range(6000):
+        parts = [rng.choice(names).encode() if rng.random() < 0.95 else rng.choice(raw) for _ in range(2)]
+        call_id = rng.choice([b"", b"7", str(rng.randrange(10**20)).encode(), b"1" * 21, b"x"])
+        context = rng.choice([[], [VALID_CONTEXT], [VALID_CONTEXT, b"baggage=k=v"], [b"\xff"]])
+        payload = b"\x1f".join([b"q", *parts, call_id, *context])[:trailer.MAX_PAYLOAD]
+        data = b"P." + payload + len(payload).to_bytes(trailer.LENGTH_SIZE, "little") + trailer.MAGIC
+        assert C.parse(data) == trailer.parse(data), data
+    head = b"P." + trailer.request_trailer(trailer.request_head("worker3", "sync"), 12345)
+    first, again = C.parse(head), C.parse(head)
+    assert first is not None and again is not None
+    assert all(a is b for a, b in zip(first[1][:3], again[1][:3])) and first[1][3] is not again[1][3]
 
 
 @needs_c
