@@ -1490,12 +1490,74 @@ static PyTypeObject FinishedCallsType = {
     .tp_as_sequence = &finished_as_sequence,
 };
 
+/* ---- Attributes read where __slots__ put them ----
+ * The sites, span records and other objects the hot paths read are instances of classes with __slots__: an
+ * attribute of theirs is read at the offset its member descriptor names, found once per (type, name) and kept in a
+ * small table with the type's version tag, which CPython changes whenever the type or a base is changed (a
+ * descriptor replaced, __getattribute__ set), so the entry is found anew then. Anything else (an instance dict, a
+ * property, a type without a valid tag, an unset slot) is PyObject_GetAttr's, as before. */
+#define SLOT_ENTRIES 64
+static struct slot_entry {
+    PyTypeObject *type;  /* strong: no other type can take its address while it is here */
+    PyObject *name;  /* strong */
+    unsigned int tag;  /* the type's tp_version_tag when found; 0: never valid */
+    Py_ssize_t offset;  /* -1: not a plain slot, read by name */
+} slot_entries[SLOT_ENTRIES];
+
+static struct slot_entry *
+slot_entry_of(PyTypeObject *type, PyObject *name)
+{
+    struct slot_entry *e = &slot_entries[(((uintptr_t)type >> 4) ^ ((uintptr_t)name >> 4)) % SLOT_ENTRIES];
+    if (e->type == type && e->name == name && e->tag != 0 && e->tag == type->tp_version_tag) {
+        return e;
+    }
+    PyObject *descr = type->tp_getattro == PyObject_GenericGetAttr ? _PyType_Lookup(type, name) : NULL;  /* borrowed */
+    Py_ssize_t offset = -1;
+    if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+        PyType_IsSubtype(type, PyDescr_TYPE(descr))) {  /* not another class's descriptor set on this one */
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        offset = member->type == T_OBJECT_EX && !(member->flags & PY_AUDIT_READ) ? member->offset : -1;
+    }
+    PyTypeObject *old_type = e->type;
+    PyObject *old_name = e->name;
+    e->type = (PyTypeObject *)Py_NewRef((PyObject *)type), e->name = Py_NewRef(name);
+    e->tag = type->tp_version_tag, e->offset = offset;  /* the tag _PyType_Lookup gave it (0 if none could be) */
+    Py_XDECREF(old_type);
+    Py_XDECREF(old_name);
+    return e;
+}
+
 /* An attribute that must be there; NULL (with the AttributeError) if not. */
-#define GET(obj, name) PyObject_GetAttr((obj), (name))
+static PyObject *
+get_attr(PyObject *obj, PyObject *name)
+{
+    struct slot_entry *e = slot_entry_of(Py_TYPE(obj), name);
+    PyObject *value = e->offset >= 0 ? *(PyObject **)((char *)obj + e->offset) : NULL;
+    return value != NULL ? Py_NewRef(value) : PyObject_GetAttr(obj, name);
+}
+#define GET(obj, name) get_attr((obj), (name))
+
+PyDoc_STRVAR(slot_attr_doc,
+"slot_attr(obj, name, /)\n--\n\n"
+"getattr(obj, name) as the C paths read it (at the offset of a __slots__ member where it is one): for tests.");
+
+static PyObject *
+slot_attr(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyUnicode_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "slot_attr(obj, name: str)");
+        return NULL;
+    }
+    PyObject *name = Py_NewRef(args[1]);
+    PyUnicode_InternInPlace(&name);  /* the C paths' names are interned: one entry per name */
+    PyObject *value = get_attr(args[0], name);
+    Py_DECREF(name);
+    return value;
+}
 
 static PyObject *client_context_text(PyObject *tracer, PyObject *span);  /* with the spans, below */
 static int end_span(PyObject *tracer, PyObject *span, long long end_ns);
-enum { SPAN_TRACE_ID = 2, SPAN_SPAN_ID = 3, SPAN_SAMPLED = 6, SPAN_END_NS = 9, SPAN_CALLEE_NS = 12 };  /* span_slots */
+enum { SPAN_END_NS = 9, SPAN_CALLEE_NS = 12 };  /* span_slots */
 static int span_set(PyObject *span, int i, PyObject *name, PyObject *value);
 
 /* The echoed response of a call in flight: ends the call (pickler.py's Python fast path, line by line). */
@@ -2253,14 +2315,6 @@ is_span_record(PyObject *span)
     return span_refs.span_type != NULL && Py_IS_TYPE(span, (PyTypeObject *)span_refs.span_type);
 }
 
-/* The slot's value (a new reference); NULL with an error. */
-static PyObject *
-span_get(PyObject *span, int i, PyObject *name)
-{
-    PyObject *value = is_span_record(span) ? SPAN_SLOT(span, i) : NULL;
-    return value != NULL ? Py_NewRef(value) : PyObject_GetAttr(span, name);
-}
-
 static int
 span_set(PyObject *span, int i, PyObject *name, PyObject *value)
 {
@@ -2475,7 +2529,7 @@ end_span(PyObject *tracer, PyObject *span, long long end_ns)
         Py_XDECREF(end);
         return -1;
     }
-    PyObject *flag = span_get(span, SPAN_SAMPLED, s_sampled_attr);
+    PyObject *flag = GET(span, s_sampled_attr);
     int sampled = flag != NULL ? PyObject_IsTrue(flag) : -1;
     Py_XDECREF(flag);
     if (sampled <= 0 || tracer_settings(tracer) < 0) {
@@ -2534,9 +2588,9 @@ start_client_span(PyObject *tracer, PyObject *name, PyObject *attributes, PyObje
     }
     if (parent != NULL) {  /* a child of the SERVER span this thread serves */
         Py_INCREF(parent);  /* held while its slots are read */
-        PyObject *trace_id = span_get(parent, SPAN_TRACE_ID, s_trace_id_attr);
-        PyObject *parent_id = trace_id != NULL ? span_get(parent, SPAN_SPAN_ID, s_span_id_attr) : NULL;
-        PyObject *sampled = parent_id != NULL ? span_get(parent, SPAN_SAMPLED, s_sampled_attr) : NULL;
+        PyObject *trace_id = GET(parent, s_trace_id_attr);
+        PyObject *parent_id = trace_id != NULL ? GET(parent, s_span_id_attr) : NULL;
+        PyObject *sampled = parent_id != NULL ? GET(parent, s_sampled_attr) : NULL;
         if (sampled != NULL) {
             span = new_span(name, span_refs.client_kind, trace_id, parent_id, Py_False, sampled, attributes, start);
         }
@@ -2673,9 +2727,9 @@ client_context_text(PyObject *tracer, PyObject *span)
         return PyObject_CallMethodOneArg(tracer, s_context_text, span);
     }
     /* TRACEPARENT_ENTRY_FORMAT % (span.trace_id, span.span_id, FLAGS[span.sampled]) */
-    PyObject *trace_id = span_get(span, SPAN_TRACE_ID, s_trace_id_attr);
-    PyObject *span_id = trace_id != NULL ? span_get(span, SPAN_SPAN_ID, s_span_id_attr) : NULL;
-    PyObject *sampled = span_id != NULL ? span_get(span, SPAN_SAMPLED, s_sampled_attr) : NULL;
+    PyObject *trace_id = GET(span, s_trace_id_attr);
+    PyObject *span_id = trace_id != NULL ? GET(span, s_span_id_attr) : NULL;
+    PyObject *sampled = span_id != NULL ? GET(span, s_sampled_attr) : NULL;
     PyObject *flag = sampled != NULL ? PyObject_GetItem(span_refs.flags, sampled) : NULL;
     PyObject *text = flag != NULL ? traceparent_entry(trace_id, span_id, flag) : NULL;
     PyObject *values = flag != NULL && text == NULL && !PyErr_Occurred() ? PyTuple_Pack(3, trace_id, span_id, flag)
@@ -2764,7 +2818,7 @@ run_site(PyObject *runtime, PyObject *udf, PyObject *fields)
     else {
         key = PyTuple_Pack(3, func, hook_refs.unknown, hook_refs.unknown);
     }
-    if (key == NULL || (sites = PyObject_GetAttr(runtime, s_server_sites)) == NULL) {
+    if (key == NULL || (sites = GET(runtime, s_server_sites)) == NULL) {
         goto done;
     }
     site = PyDict_Check(sites) ? PyDict_GetItemWithError(sites, key) : NULL;
@@ -2822,11 +2876,11 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
         return -1;
     }
     PyObject *profiler = NULL, *armed = NULL;
-    if ((r->tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL) {
+    if ((r->tracer = GET(runtime, s_tracer)) == NULL) {
         return -1;
     }
     if (r->tracer != Py_None) {
-        PyObject *name = PyObject_GetAttr(r->site, s_span_name), *attributes = PyObject_GetAttr(r->site, s_attributes);
+        PyObject *name = GET(r->site, s_span_name), *attributes = GET(r->site, s_attributes);
         if (name != NULL && attributes != NULL) {
             r->span = start_server_span(r->tracer, name, attributes, r->fields, r->start_ns);
         }
@@ -2839,11 +2893,11 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
     else {
         r->span = Py_NewRef(Py_None);
     }
-    if ((profiler = PyObject_GetAttr(runtime, s_profiler)) == NULL) {
+    if ((profiler = GET(runtime, s_profiler)) == NULL) {
         return -1;
     }
     if (profiler != Py_None) {
-        armed = PyObject_GetAttr(profiler, s_armed);
+        armed = GET(profiler, s_armed);
         r->tid = armed != NULL ? PyObject_IsTrue(armed) : -1;
     }
     Py_DECREF(profiler);
@@ -2855,7 +2909,7 @@ run_start(PyObject *runtime, PyObject *udf, run_state *r)
     if (slot == NULL) {
         return -1;
     }
-    PyObject *trace_id = r->span != Py_None ? PyObject_GetAttr(r->span, s_trace_id) : PyLong_FromLong(0);
+    PyObject *trace_id = r->span != Py_None ? GET(r->span, s_trace_id) : PyLong_FromLong(0);
     if (trace_id == NULL) {
         return -1;
     }
@@ -2891,7 +2945,7 @@ run_detach(run_state *r)
 static int
 run_end(PyObject *runtime, PyObject *result, run_state *r)
 {
-    PyObject *is_async = PyObject_GetAttr(r->site, s_is_async);
+    PyObject *is_async = GET(r->site, s_is_async);
     if (is_async == NULL) {
         return -1;
     }
@@ -2916,12 +2970,12 @@ run_end(PyObject *runtime, PyObject *result, run_state *r)
     if (end_ns == -1 && PyErr_Occurred()) {
         return -1;
     }
-    PyObject *record = PyObject_GetAttr(r->site, s_record);
+    PyObject *record = GET(r->site, s_record);
     if (record == NULL) {
         return -1;
     }
     if (record != Py_None) {
-        PyObject *cells = PyObject_GetAttr(r->site, s_cells);
+        PyObject *cells = GET(r->site, s_cells);
         crecord served = {FOLD_SERVED, cells, r->span, {0}, {(double)(end_ns - r->start_ns) / 1e9, 0.0}};
         int failed = cells == NULL || push_record(record, &served) < 0;
         Py_XDECREF(cells);
@@ -2934,7 +2988,7 @@ run_end(PyObject *runtime, PyObject *result, run_state *r)
     if (r->span != Py_None && end_span(r->tracer, r->span, end_ns) < 0) {
         return -1;
     }
-    PyObject *replies = PyObject_GetAttr(r->site, s_replies);
+    PyObject *replies = GET(r->site, s_replies);
     if (replies == NULL) {
         return -1;
     }
@@ -3056,11 +3110,11 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     else {
         call->parent = Py_NewRef(Py_None);
     }
-    if ((tracer = PyObject_GetAttr(runtime, s_tracer)) == NULL || (profiler = PyObject_GetAttr(runtime, s_profiler)) == NULL) {
+    if ((tracer = GET(runtime, s_tracer)) == NULL || (profiler = GET(runtime, s_profiler)) == NULL) {
         goto failed;
     }
     if (tracer != Py_None) {
-        PyObject *name = PyObject_GetAttr(site, s_span_name), *attributes = PyObject_GetAttr(site, s_attributes);
+        PyObject *name = GET(site, s_span_name), *attributes = GET(site, s_attributes);
         PyObject *start = name != NULL && attributes != NULL ? PyLong_FromLongLong(call->start_ns) : NULL;
         call->span = start != NULL ? start_client_span(tracer, name, attributes, start, &thread, call->thread) : NULL;
         Py_XDECREF(name);
@@ -3081,7 +3135,7 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto failed;
         }
         if (on) {
-            PyObject *key = PyObject_GetAttr(site, s_key);
+            PyObject *key = GET(site, s_key);
             call->rf = key != NULL ? PyObject_CallMethodOneArg(profiler, s_client_start, key) : NULL;
             Py_XDECREF(key);
             if (call->rf == NULL) {
@@ -3091,7 +3145,7 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         else {
             call->rf = Py_NewRef(Py_None);
         }
-        PyObject *armed = PyObject_GetAttr(profiler, s_armed);
+        PyObject *armed = GET(profiler, s_armed);
         int is_armed = armed != NULL ? PyObject_IsTrue(armed) : -1;
         Py_XDECREF(armed);
         if (is_armed < 0) {
@@ -3109,11 +3163,11 @@ new_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     else {
         call->rf = Py_NewRef(Py_None);
     }
-    if ((record = PyObject_GetAttr(site, s_record)) == NULL) {
+    if ((record = GET(site, s_record)) == NULL) {
         goto failed;
     }
     if (record != Py_None) {
-        PyObject *started = PyObject_GetAttr(site, s_started);
+        PyObject *started = GET(site, s_started);
         PyObject *done = started != NULL ? PyObject_CallOneArg(record, started) : NULL;
         Py_XDECREF(started);
         if (done == NULL) {
@@ -3145,7 +3199,7 @@ invoke_call(PyObject *runtime, PyObject *const *args, Py_ssize_t nargs, PyObject
         return NULL;
     }
     if (PyUnicode_CheckExact(to)) {
-        PyObject *sites = PyObject_GetAttr(runtime, s_client_sites), *key = PyTuple_Pack(3, func, mode, to);
+        PyObject *sites = GET(runtime, s_client_sites), *key = PyTuple_Pack(3, func, mode, to);
         if (sites != NULL && key != NULL && PyDict_Check(sites)) {
             site = PyDict_GetItemWithError(sites, key);
             Py_XINCREF(site);
@@ -3603,7 +3657,7 @@ keep_exemplar(PyObject *exemplars, Py_ssize_t bucket, PyObject *span, PyObject *
     if (span == Py_None) {
         return 0;
     }
-    PyObject *sampled = PyObject_GetAttr(span, s_sampled);
+    PyObject *sampled = GET(span, s_sampled);
     int yes = sampled == NULL ? -1 : PyObject_IsTrue(sampled);
     Py_XDECREF(sampled);
     if (yes <= 0) {
@@ -4044,6 +4098,7 @@ static PyMethodDef core_methods[] = {
     {"serving_slots", serving_slots_count, METH_NOARGS, serving_slots_doc},
     {"random_id", random_id_function, METH_O, random_id_doc},
     {"tracer_settings_changed", tracer_settings_changed, METH_NOARGS, tracer_settings_changed_doc},
+    {"slot_attr", (PyCFunction)(void (*)(void))slot_attr, METH_FASTCALL, slot_attr_doc},
     {"configure_fold", (PyCFunction)(void (*)(void))configure_fold, METH_FASTCALL, configure_fold_doc},
     {"configure_spans", (PyCFunction)(void (*)(void))configure_spans, METH_FASTCALL, configure_spans_doc},
     {"parse_traceparent", parse_traceparent, METH_O, parse_traceparent_doc},

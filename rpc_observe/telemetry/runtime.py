@@ -61,6 +61,12 @@ class ProfileSession(Protocol):
 class Runtime:
     """Metrics, tracer and profiler events of this process, labelled with its worker name."""
 
+    # Slots: the C hot paths read a runtime's attributes at their offsets (hooks/_core.c, get_attr).
+    __slots__ = ("config", "worker", "rank", "world_size", "run_id", "metrics", "state", "tracer", "profiler",
+                 "profile_session", "recorder", "otlp_metrics", "metrics_port", "target_path", "spans_path", "_server",
+                 "client_sites", "server_sites", "request_cells", "_housekeeping", "_closing", "_closed", "_close_lock",
+                 "out_dir", "_stopped", "_thread")
+
     def __init__(self, config: Config, worker: str, rank: int | None, world_size: int | None = None) -> None:
         self.config = config
         self.worker = worker

@@ -241,3 +241,67 @@ def test_invoke_rpc_hook_hands_back_torch_futures_and_errors(metrics_runtime: ru
     assert raised.value is error and list(calls.finished)[-1][4] == "ConnectionError"
     assert calls.current_call() is None and health.internal_errors == {}
     calls.finished.clear()
+
+
+def _read_both(obj: Any, name: str) -> tuple[Any, Any]:
+    """(getattr's value or exception type, the C paths' read's)."""
+    outcomes = []
+    for read in (getattr, core.slot_attr):  # type: ignore[union-attr]
+        try:
+            outcomes.append(("value", read(obj, name)))
+        except Exception as e:  # noqa: BLE001  # the same exception either way is the point
+            outcomes.append(("raised", type(e)))
+    return outcomes[0], outcomes[1]
+
+
+def test_the_c_paths_read_slots_as_getattr_does() -> None:
+    """The hot paths read __slots__ members at their offsets, found once per (type, name): every read is
+    getattr's, after the class changes, for another class's descriptor, a __getattribute__, unset slots, builtins
+    and many classes sharing the table's entries."""
+    import random
+
+    class Site:
+        __slots__ = ("record", "cells", "unset")
+
+    class Derived(Site):
+        __slots__ = ("extra",)
+
+    class Other:
+        __slots__ = ("a", "b")
+
+    class Borrower:  # another class's member descriptor: getattr refuses it (its offset is one of p, q, r here)
+        __slots__ = ("p", "q", "r")
+        record = Site.__dict__["record"]
+
+    class Hooked(Site):
+        __slots__ = ()
+
+        def __getattribute__(self, name: str) -> Any:
+            return "hooked"
+
+    site, derived, borrower = Site(), Derived(), Borrower()
+    site.record, site.cells = "rec", [1]
+    derived.record, derived.extra = "drec", 2
+    borrower.p, borrower.q, borrower.r = 5, 6, 7
+    hooked = Hooked()
+    for obj, name in [(site, "record"), (site, "cells"), (site, "unset"), (site, "missing"), (derived, "record"),
+                      (derived, "extra"), (derived, "unset"), (borrower, "record"), (borrower, "q"),
+                      (hooked, "record"), (slice(1, 2), "start"), (runtime, "current"), (3, "real")]:
+        for _ in range(2):  # found, then from the table
+            assert _read_both(obj, name)[0] == _read_both(obj, name)[1], (obj, name)
+    assert core.slot_attr(site, "record") == "rec"  # type: ignore[union-attr]
+    Site.record = property(lambda self: "a property now")  # type: ignore[assignment, method-assign]
+    assert core.slot_attr(site, "record") == "a property now"  # type: ignore[union-attr]
+    assert core.slot_attr(derived, "record") == "a property now"  # type: ignore[union-attr]  # through the base
+    Site.__getattribute__ = lambda self, name: "hooked later"  # type: ignore[method-assign, assignment, misc]
+    assert core.slot_attr(site, "cells") == "hooked later"  # type: ignore[union-attr]
+    rng = random.Random(3)
+    classes = [type(f"C{i}", (), {"__slots__": ("x", "y", "w")}) for i in range(200)]
+    objs = []
+    for i, cls in enumerate(classes):
+        obj = cls()
+        obj.x, obj.y = i, -i  # w unset
+        objs.append(obj)
+    for _ in range(20_000):
+        obj, name = rng.choice(objs), rng.choice("xyw")
+        assert _read_both(obj, name)[0] == _read_both(obj, name)[1]
