@@ -1504,12 +1504,13 @@ static struct slot_entry {
     Py_ssize_t offset;  /* -1: not a plain slot, read by name */
 } slot_entries[SLOT_ENTRIES];
 
-static struct slot_entry *
-slot_entry_of(PyTypeObject *type, PyObject *name)
+/* The offset of `name`'s slot in instances of `type`, or -1: read it by name. */
+static Py_ssize_t
+slot_offset(PyTypeObject *type, PyObject *name)
 {
     struct slot_entry *e = &slot_entries[(((uintptr_t)type >> 4) ^ ((uintptr_t)name >> 4)) % SLOT_ENTRIES];
     if (e->type == type && e->name == name && e->tag != 0 && e->tag == type->tp_version_tag) {
-        return e;
+        return e->offset;
     }
     PyObject *descr = type->tp_getattro == PyObject_GenericGetAttr ? _PyType_Lookup(type, name) : NULL;  /* borrowed */
     Py_ssize_t offset = -1;
@@ -1522,17 +1523,17 @@ slot_entry_of(PyTypeObject *type, PyObject *name)
     PyObject *old_name = e->name;
     e->type = (PyTypeObject *)Py_NewRef((PyObject *)type), e->name = Py_NewRef(name);
     e->tag = type->tp_version_tag, e->offset = offset;  /* the tag _PyType_Lookup gave it (0 if none could be) */
-    Py_XDECREF(old_type);
+    Py_XDECREF(old_type);  /* last: a release may run code that takes this entry again */
     Py_XDECREF(old_name);
-    return e;
+    return offset;
 }
 
 /* An attribute that must be there; NULL (with the AttributeError) if not. */
 static PyObject *
 get_attr(PyObject *obj, PyObject *name)
 {
-    struct slot_entry *e = slot_entry_of(Py_TYPE(obj), name);
-    PyObject *value = e->offset >= 0 ? *(PyObject **)((char *)obj + e->offset) : NULL;
+    Py_ssize_t offset = slot_offset(Py_TYPE(obj), name);
+    PyObject *value = offset >= 0 ? *(PyObject **)((char *)obj + offset) : NULL;
     return value != NULL ? Py_NewRef(value) : PyObject_GetAttr(obj, name);
 }
 #define GET(obj, name) get_attr((obj), (name))
