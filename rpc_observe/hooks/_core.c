@@ -2153,7 +2153,7 @@ static struct {
     PyObject *get_current;  /* tracing._get_current: the current OpenTelemetry context */
     PyObject *span_key, *baggage_key;  /* where that context holds its span and its baggage */
     PyObject *traceparent_format, *flags;  /* propagation.TRACEPARENT_ENTRY_FORMAT, FLAGS */
-    PyObject *bits64, *bits128, *low64, *server_kind, *client_kind, *zero;
+    PyObject *bits64, *bits128, *server_kind, *client_kind, *zero;
 } span_refs;
 
 static PyObject *s_fast_propagation, *s_parent_based, *s_serving_attr, *s_tracer_provider, *s_end_ns, *s_queue,
@@ -2775,7 +2775,6 @@ configure_spans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if ((span_refs.bits64 == NULL && (span_refs.bits64 = PyLong_FromLong(64)) == NULL) ||
         (span_refs.bits128 == NULL && (span_refs.bits128 = PyLong_FromLong(128)) == NULL) ||
-        (span_refs.low64 == NULL && (span_refs.low64 = PyLong_FromUnsignedLongLong(~0ULL)) == NULL) ||
         (span_refs.server_kind == NULL && (span_refs.server_kind = PyLong_FromLong(2)) == NULL) ||  /* SERVER */
         (span_refs.client_kind == NULL && (span_refs.client_kind = PyLong_FromLong(3)) == NULL) ||  /* CLIENT */
         (span_refs.zero == NULL && (span_refs.zero = PyLong_FromLong(0)) == NULL) ||
