@@ -2361,7 +2361,7 @@ span_set(PyObject *span, int i, PyObject *name, PyObject *value)
  * the next span reads them anew. The tracer is held, so that no other object can take its address while cached. */
 static struct {
     PyObject *tracer;  /* strong; NULL: nothing cached */
-    PyObject *serving, *queue;  /* strong */
+    PyObject *serving, *queue, *append;  /* strong; append: the queue's, bound once */
     Py_ssize_t max_queue;
     int fast_propagation, parent_based, propagates, limited;
     enum { ROOT_GENERAL, ROOT_ALL, ROOT_BELOW } roots;  /* _root_bound: not an int of [0, 2**64), so Python decides;
@@ -2373,9 +2373,11 @@ static void
 forget_tracer(void)
 {
     PyObject *tracer = tracer_cache.tracer, *serving = tracer_cache.serving, *queue = tracer_cache.queue;
-    tracer_cache.tracer = tracer_cache.serving = tracer_cache.queue = NULL;
+    PyObject *append = tracer_cache.append;
+    tracer_cache.tracer = tracer_cache.serving = tracer_cache.queue = tracer_cache.append = NULL;
     Py_XDECREF(serving);
     Py_XDECREF(queue);
+    Py_XDECREF(append);
     Py_XDECREF(tracer);
 }
 
@@ -2389,7 +2391,8 @@ tracer_settings(PyObject *tracer)
     forget_tracer();
     PyObject *serving = PyObject_GetAttr(tracer, s_serving_attr);
     PyObject *queue = serving != NULL ? PyObject_GetAttr(tracer, s_queue) : NULL;
-    PyObject *bound = queue != NULL ? PyObject_GetAttr(tracer, s_root_bound) : NULL;
+    PyObject *append = queue != NULL ? PyObject_GetAttr(queue, s_append) : NULL;
+    PyObject *bound = append != NULL ? PyObject_GetAttr(tracer, s_root_bound) : NULL;
     PyObject *max = bound != NULL ? PyObject_GetAttr(tracer, s_max_queue) : NULL;
     PyObject *limiter = max != NULL ? PyObject_GetAttr(tracer, s_limiter) : NULL;
     Py_ssize_t max_queue = limiter != NULL ? PyLong_AsSsize_t(max) : -1;
@@ -2417,11 +2420,13 @@ tracer_settings(PyObject *tracer)
     if (propagates < 0) {
         Py_XDECREF(serving);
         Py_XDECREF(queue);
+        Py_XDECREF(append);
         Py_XDECREF(limiter);
         return -1;
     }
     forget_tracer();  /* reading may have run code that filled it */
-    tracer_cache.serving = serving, tracer_cache.queue = queue, tracer_cache.max_queue = max_queue;
+    tracer_cache.serving = serving, tracer_cache.queue = queue, tracer_cache.append = append;
+    tracer_cache.max_queue = max_queue;
     tracer_cache.fast_propagation = fast, tracer_cache.parent_based = parent_based, tracer_cache.propagates = propagates;
     tracer_cache.limited = limiter != Py_None, tracer_cache.roots = roots, tracer_cache.root_bound = root_bound;
     tracer_cache.tracer = Py_NewRef(tracer);
@@ -2567,14 +2572,16 @@ end_span(PyObject *tracer, PyObject *span, long long end_ns)
         Py_DECREF(end);
         return sampled <= 0 ? sampled : -1;
     }
-    PyObject *queue = Py_NewRef(tracer_cache.queue);  /* held: append may run code that empties the cache */
-    Py_ssize_t size = PyObject_Length(queue);
+    /* held: len and append may run code that empties the cache */
+    PyObject *queue = Py_NewRef(tracer_cache.queue), *append = Py_NewRef(tracer_cache.append);
+    Py_ssize_t max_queue = tracer_cache.max_queue, size = PyObject_Length(queue);
     PyObject *done = NULL;
     if (size >= 0) {
-        done = size < tracer_cache.max_queue ? PyObject_CallMethodOneArg(queue, s_append, span)
-                                             : PyObject_CallMethodObjArgs(tracer, s_end, span, end, NULL);
+        done = size < max_queue ? PyObject_CallOneArg(append, span)
+                                : PyObject_CallMethodObjArgs(tracer, s_end, span, end, NULL);
     }
     Py_DECREF(queue);
+    Py_DECREF(append);
     Py_DECREF(end);
     Py_XDECREF(done);
     return done != NULL ? 0 : -1;

@@ -36,6 +36,8 @@ CATEGORY = "rpc_observe"
 class ProfilerEvents:
     """Profiler events of one process."""
 
+    __slots__ = ("worker", "run_id", "armed", "_ring")  # `armed` is read by the C core on every call, at its offset
+
     def __init__(self, worker: str, run_id: str, capacity: int = 50_000) -> None:
         self.worker = worker
         self.run_id = run_id
