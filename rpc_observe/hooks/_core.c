@@ -1498,7 +1498,8 @@ static PyTypeObject FinishedCallsType = {
  * property, a type without a valid tag, an unset slot) is PyObject_GetAttr's, as before. */
 /* 8-way sets under a multiplicative hash: a process reads ~30 (type, name) pairs, which a direct-mapped table of 64
  * mapped onto each other (9 misses per RPC, each a type lookup, in the benchmark's (d)); nine of them in one set are
- * about a chance in a million. A miss takes way 0 and moves the others down. */
+ * about a chance in a million. A miss takes way 0 and moves the others down. (Were the set changed by code the type
+ * lookup ran, `last` would only drop another entry: `old` is read after it.) */
 #define SLOT_SETS 64
 #define SLOT_WAYS 8
 static Py_ssize_t slot_misses;  /* for tests: the hot paths find their attributes in the table */
@@ -1515,13 +1516,15 @@ slot_offset(PyTypeObject *type, PyObject *name)
 {
     uint64_t key = (uint64_t)(uintptr_t)type * 0x9E3779B97F4A7C15u ^ (uint64_t)(uintptr_t)name * 0xC2B2AE3D27D4EB4Fu;
     struct slot_entry *set = slot_entries[(key >> 40) % SLOT_SETS];
+    int last = SLOT_WAYS - 1;  /* the way a miss drops: the last, or this pair's stale entry */
     for (int way = 0; way < SLOT_WAYS; way++) {
         struct slot_entry *e = &set[way];
         if (e->type == type && e->name == name) {
             if (e->tag != 0 && e->tag == type->tp_version_tag) {
                 return e->offset;
             }
-            break;  /* stale: found anew below, in way 0 */
+            last = way;  /* stale: found anew below, in way 0 */
+            break;
         }
     }
     slot_misses++;
@@ -1531,13 +1534,6 @@ slot_offset(PyTypeObject *type, PyObject *name)
         PyType_IsSubtype(type, PyDescr_TYPE(descr))) {  /* not another class's descriptor set on this one */
         PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
         offset = member->type == T_OBJECT_EX && !(member->flags & PY_AUDIT_READ) ? member->offset : -1;
-    }
-    int last = SLOT_WAYS - 1;  /* the way dropped: the last, or this pair's stale entry */
-    for (int way = 0; way < SLOT_WAYS - 1; way++) {
-        if (set[way].type == type && set[way].name == name) {
-            last = way;
-            break;
-        }
     }
     struct slot_entry old = set[last];
     memmove(&set[1], &set[0], (size_t)last * sizeof(struct slot_entry));
