@@ -247,25 +247,87 @@ parse(PyObject *module, PyObject *data)
     return result;
 }
 
-/* `text` as UTF-8, lone surrogates replaced (str.encode("utf-8", "replace")): a new bytes object. */
-static PyObject *
-utf8(PyObject *text)
+/* A piece of a trailer's payload: `n` bytes at `p`, kept alive by `owner` (a new reference, or NULL when `p` is
+ * held by an object the caller holds, or by the caller's own buffer). Packing reads the pieces where they are, so
+ * a trailer makes one bytes object, not one per piece. */
+typedef struct {
+    const char *p;
+    Py_ssize_t n;
+    PyObject *owner;
+} piece;
+
+/* `text` as UTF-8, lone surrogates replaced (str.encode("utf-8", "replace")): the str's own UTF-8 (kept on it by
+ * CPython; an ASCII str's is its data) where it has one, else a new bytes object. 0, or -1 with an error. */
+static int
+utf8(PyObject *text, piece *out)
 {
+    out->owner = NULL;
     if (!PyUnicode_Check(text)) {
         PyErr_Format(PyExc_TypeError, "expected str, got %.100s", Py_TYPE(text)->tp_name);
-        return NULL;
+        return -1;
     }
-    return PyUnicode_AsEncodedString(text, "utf-8", "replace");
+    if ((out->p = PyUnicode_AsUTF8AndSize(text, &out->n)) != NULL) {
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
+        return -1;
+    }
+    PyErr_Clear();  /* lone surrogates: encoded with "replace", as the Python reference does */
+    if ((out->owner = PyUnicode_AsEncodedString(text, "utf-8", "replace")) == NULL) {
+        return -1;
+    }
+    out->p = PyBytes_AS_STRING(out->owner), out->n = PyBytes_GET_SIZE(out->owner);
+    return 0;
 }
 
-/* `prefix` (a message, or nothing) + payload (`parts`, bytes objects, cut to MAX_PAYLOAD) + its length (2 bytes,
- * little endian) + MAGIC, in one new bytes object; `*payload_size` (if given) gets the payload's size. */
+/* str(number) as bytes: the call id and the callee's time (any int, as str() writes it). An exact int that fits a
+ * long long is written into `digits` (at least 21 bytes); anything else goes through str(). 0, or -1 with an
+ * error. */
+static int
+decimal(PyObject *number, char *digits, piece *out)
+{
+    out->owner = NULL;
+    if (PyLong_CheckExact(number)) {
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(number, &overflow);
+        if (value == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (!overflow) {
+            unsigned long long magnitude = value < 0 ? 0ULL - (unsigned long long)value : (unsigned long long)value;
+            char *end = digits + 21, *w = end;
+            do {
+                *--w = (char)('0' + magnitude % 10);
+                magnitude /= 10;
+            } while (magnitude > 0);
+            if (value < 0) {
+                *--w = '-';
+            }
+            out->p = w, out->n = end - w;
+            return 0;
+        }
+    }
+    PyObject *text = PyObject_Str(number);
+    if (text == NULL) {
+        return -1;
+    }
+    out->owner = PyUnicode_AsUTF8String(text);
+    Py_DECREF(text);
+    if (out->owner == NULL) {
+        return -1;
+    }
+    out->p = PyBytes_AS_STRING(out->owner), out->n = PyBytes_GET_SIZE(out->owner);
+    return 0;
+}
+
+/* `prefix` (a message, or nothing) + payload (`pieces`, cut to MAX_PAYLOAD) + its length (2 bytes, little
+ * endian) + MAGIC, in one new bytes object; `*payload_size` (if given) gets the payload's size. */
 static PyObject *
-pack(const char *prefix, Py_ssize_t prefix_size, PyObject *const *parts, int count, Py_ssize_t *payload_size)
+pack(const char *prefix, Py_ssize_t prefix_size, const piece *pieces, int count, Py_ssize_t *payload_size)
 {
     Py_ssize_t size = 0;
     for (int i = 0; i < count; i++) {
-        size += PyBytes_GET_SIZE(parts[i]);
+        size += pieces[i].n;
     }
     if (size > MAX_PAYLOAD) {
         size = MAX_PAYLOAD;
@@ -285,11 +347,8 @@ pack(const char *prefix, Py_ssize_t prefix_size, PyObject *const *parts, int cou
     }
     Py_ssize_t left = size;
     for (int i = 0; i < count && left > 0; i++) {
-        Py_ssize_t n = PyBytes_GET_SIZE(parts[i]);
-        if (n > left) {
-            n = left;
-        }
-        memcpy(w, PyBytes_AS_STRING(parts[i]), (size_t)n);
+        Py_ssize_t n = pieces[i].n < left ? pieces[i].n : left;
+        memcpy(w, pieces[i].p, (size_t)n);
         w += n;
         left -= n;
     }
@@ -302,18 +361,15 @@ pack(const char *prefix, Py_ssize_t prefix_size, PyObject *const *parts, int cou
     return out;
 }
 
-/* str(number) as bytes: the call id and the callee's time (any int, as str() writes it). */
-static PyObject *
-decimal(PyObject *number)
+static void
+release_pieces(piece *pieces, int count)
 {
-    PyObject *text = PyObject_Str(number);
-    if (text == NULL) {
-        return NULL;
+    for (int i = 0; i < count; i++) {
+        Py_CLEAR(pieces[i].owner);
     }
-    PyObject *bytes = PyUnicode_AsUTF8String(text);
-    Py_DECREF(text);
-    return bytes;
 }
+
+static const piece SEP_PIECE = {"\x1f", 1, NULL};
 
 PyDoc_STRVAR(request_trailer_doc,
 "request_trailer(head, call_id, context, /)\n--\n\n"
@@ -328,29 +384,34 @@ pack_request(const char *prefix, Py_ssize_t prefix_size, PyObject *head, PyObjec
         PyErr_SetString(PyExc_TypeError, "request_trailer(head: str, call_id: int, context: str)");
         return NULL;
     }
-    PyObject *parts[4] = {NULL, NULL, NULL, NULL};
+    piece pieces[4];
+    char digits[21];
     int count = 0;
     PyObject *result = NULL;
-    if ((parts[count++] = utf8(head)) == NULL) {
+    if (utf8(head, &pieces[count]) < 0) {
         goto done;
     }
+    count++;
     int nonzero = PyObject_IsTrue(call_id);
     if (nonzero < 0) {
         goto done;
     }
-    if (nonzero && (parts[count++] = decimal(call_id)) == NULL) {
-        goto done;
-    }
-    if (PyUnicode_GET_LENGTH(context) > 0) {
-        if ((parts[count++] = PyBytes_FromStringAndSize("\x1f", 1)) == NULL || (parts[count++] = utf8(context)) == NULL) {
+    if (nonzero) {
+        if (decimal(call_id, digits, &pieces[count]) < 0) {
             goto done;
         }
+        count++;
     }
-    result = pack(prefix, prefix_size, parts, count, payload_size);
+    if (PyUnicode_GET_LENGTH(context) > 0) {
+        pieces[count++] = SEP_PIECE;
+        if (utf8(context, &pieces[count]) < 0) {
+            goto done;
+        }
+        count++;
+    }
+    result = pack(prefix, prefix_size, pieces, count, payload_size);
 done:
-    for (int i = 0; i < 4; i++) {
-        Py_XDECREF(parts[i]);
-    }
+    release_pieces(pieces, count);
     return result;
 }
 
@@ -376,32 +437,41 @@ pack_response(const char *prefix, Py_ssize_t prefix_size, PyObject *call_id, PyO
         PyErr_SetString(PyExc_TypeError, "response_trailer(call_id: str, callee_us: int)");
         return NULL;
     }
-    PyObject *parts[4] = {NULL, NULL, NULL, NULL};
-    int count = 0;
+    piece pieces[4] = {{"r\x1f", 2, NULL}};
+    char digits[21];
+    int count = 1;
     PyObject *result = NULL;
-    if ((parts[count++] = PyBytes_FromStringAndSize("r\x1f", 2)) == NULL || (parts[count++] = utf8(call_id)) == NULL) {
+    if (utf8(call_id, &pieces[count]) < 0) {
         goto done;
     }
-    PyObject *zero = PyLong_FromLong(0);
-    if (zero == NULL) {
-        goto done;
+    count++;
+    int timed;
+    if (PyLong_CheckExact(callee_us)) {  /* callee_us >= 0 without an int object for 0 */
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(callee_us, &overflow);
+        if (value == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        timed = overflow > 0 || (!overflow && value >= 0);
     }
-    int timed = PyObject_RichCompareBool(callee_us, zero, Py_GE);
-    Py_DECREF(zero);
-    if (timed < 0) {
-        goto done;
-    }
-    if (timed) {
-        if ((parts[count++] = PyBytes_FromStringAndSize("\x1f", 1)) == NULL ||
-            (parts[count++] = decimal(callee_us)) == NULL) {
+    else {
+        PyObject *zero = PyLong_FromLong(0);
+        timed = zero != NULL ? PyObject_RichCompareBool(callee_us, zero, Py_GE) : -1;
+        Py_XDECREF(zero);
+        if (timed < 0) {
             goto done;
         }
     }
-    result = pack(prefix, prefix_size, parts, count, NULL);
-done:
-    for (int i = 0; i < 4; i++) {
-        Py_XDECREF(parts[i]);
+    if (timed) {
+        pieces[count++] = SEP_PIECE;
+        if (decimal(callee_us, digits, &pieces[count]) < 0) {
+            goto done;
+        }
+        count++;
     }
+    result = pack(prefix, prefix_size, pieces, count, NULL);
+done:
+    release_pieces(pieces, count);
     return result;
 }
 
@@ -431,6 +501,7 @@ static struct {
     PyObject *next_id;  /* calls.next_id */
     Py_ssize_t max_in_flight;  /* calls.MAX_IN_FLIGHT */
 } refs;
+static PyObject *id_counter;  /* the itertools.count whose __next__ refs.next_id is, or NULL */
 
 /* The client call whose request is being sent on this thread (a strong reference), or NULL: set by the invoke hook
  * (and client.py's remote) around torch's call, read where the request is pickled, on the same thread. A C thread
@@ -1028,7 +1099,28 @@ configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     refs.max_in_flight = max_in_flight;
     native_time_ns = native;
+    Py_CLEAR(id_counter);
+    PyObject *counter = PyObject_GetAttrString(refs.next_id, "__self__");
+    if (counter == NULL) {
+        PyErr_Clear();  /* not a bound method: called as it is */
+    }
+    else if (strcmp(Py_TYPE(counter)->tp_name, "itertools.count") == 0 && Py_TYPE(counter)->tp_iternext != NULL) {
+        PyObject *name = PyObject_GetAttrString(refs.next_id, "__name__");
+        int is_next = name != NULL && PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__next__") == 0;
+        Py_XDECREF(name);
+        PyErr_Clear();
+        id_counter = is_next ? Py_NewRef(counter) : NULL;
+    }
+    Py_XDECREF(counter);
     Py_RETURN_NONE;
+}
+
+/* The next call id: next_id(), read straight from its itertools.count where it is one's __next__ (a method
+ * wrapper's call goes through a tuple of arguments). */
+static PyObject *
+new_call_id(void)
+{
+    return id_counter != NULL ? Py_TYPE(id_counter)->tp_iternext(id_counter) : PyObject_CallNoArgs(refs.next_id);
 }
 
 /* tensor_sizes(tensors) of pickler.py: (logical bytes, storage bytes that travel) of a tensor table. */
@@ -1823,8 +1915,7 @@ send_request(PyObject *runtime, PyObject *call, PyObject *data, PyObject *tensor
     if (echo < 0) {
         goto done;
     }
-    call_id = echo && PyDict_GET_SIZE(refs.in_flight) < refs.max_in_flight ? PyObject_CallNoArgs(refs.next_id)
-                                                                            : PyLong_FromLong(0);
+    call_id = echo && PyDict_GET_SIZE(refs.in_flight) < refs.max_in_flight ? new_call_id() : PyLong_FromLong(0);
     Py_ssize_t payload = 0;
     if (call_id == NULL || (head = GET(site, s_trailer_head)) == NULL ||
         (message = pack_request(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), head, call_id, context,
@@ -2235,13 +2326,30 @@ read_traceparent(PyObject *entry, const char **trace_hex, const char **parent_he
     return 1;
 }
 
+/* The value of 16 lower-case hex digits (read_traceparent checked them). */
+static uint64_t
+hex64(const char *hex)
+{
+    uint64_t value = 0;
+    for (int i = 0; i < 16; i++) {
+        value = value << 4 | (uint64_t)(hex[i] <= '9' ? hex[i] - '0' : hex[i] - 'a' + 10);
+    }
+    return value;
+}
+
+/* int(hex, 16) of a checked span id (16 digits) or trace id (32), without parsing text as PyLong_FromString does. */
 static PyObject *
 hex_int(const char *hex, Py_ssize_t n)
 {
-    char buffer[33];
-    memcpy(buffer, hex, (size_t)n);
-    buffer[n] = '\0';
-    return PyLong_FromString(buffer, NULL, 16);
+    if (n == 16) {
+        return PyLong_FromUnsignedLongLong(hex64(hex));
+    }
+    unsigned char bytes[16];  /* little-endian, as random_id builds a trace id */
+    uint64_t high = hex64(hex), low = hex64(hex + 16);
+    for (int i = 0; i < 8; i++) {
+        bytes[i] = (unsigned char)(low >> (8 * i)), bytes[8 + i] = (unsigned char)(high >> (8 * i));
+    }
+    return _PyLong_FromByteArray(bytes, 16, 1, 0);
 }
 
 PyDoc_STRVAR(parse_traceparent_doc,

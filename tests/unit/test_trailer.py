@@ -283,12 +283,20 @@ def test_c_parse_takes_every_length_and_number_the_layout_allows() -> None:
         C.parse("not bytes")  # type: ignore[arg-type]
 
 
+class Id(int):
+    """An int subclass with its own str: the C packers write what str() writes, not the number's digits."""
+
+    def __str__(self) -> str:
+        return f"id{int(self)}"
+
+
 @needs_c
 @pytest.mark.parametrize(("head", "call_id", "context"), [
     (HEAD, 0, ""), (HEAD, 12, ""), (HEAD, 2**64 + 1, "ctx"), (HEAD, -3, ""), (HEAD, 12, "traceparent=x\x1fbaggage=k=v"),
     (HEAD, 0, "only context"), (trailer.request_head("wörker", "async"), 3, "ctx"),
     (trailer.request_head("w" * 3000, "sync"), 3, "ctx"), (trailer.request_head("w\ud800", "sync"), 3, "c\udfff"),
     ("", 0, ""), (HEAD, 1, "é" * 2000),  # cut inside a character, as the reference cuts
+    (HEAD, 2**63 - 1, ""), (HEAD, -(2**63), ""), (HEAD, 2**63, ""), (HEAD, True, ""), (HEAD, Id(7), "ctx"),
 ])
 def test_c_request_trailer_packs_as_the_reference(head: str, call_id: int, context: str) -> None:
     assert C is not None
@@ -298,6 +306,7 @@ def test_c_request_trailer_packs_as_the_reference(head: str, call_id: int, conte
 @needs_c
 @pytest.mark.parametrize(("call_id", "callee_us"), [
     ("5", -1), ("5", 0), ("5", 1234), ("1" * 20, 2**70), ("", -1), ("w\ud800", 3), ("x" * 3000, 5),
+    ("5", -(2**70)), ("5", 2**63 - 1), ("5", -(2**63)), ("5", True), ("5", Id(-2)), ("5", Id(9)),
 ])
 def test_c_response_trailer_packs_as_the_reference(call_id: str, callee_us: int) -> None:
     assert C is not None
