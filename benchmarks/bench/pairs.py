@@ -71,7 +71,7 @@ def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False
     if mode == "memory":
         return ["a", "d"]
     if mode == "profile":
-        return ["a", "c", "d", "c_t", "d_t"] + (["c0_t", "d0_t"] if baseline else [])
+        return ["a", "c", "d", "c_t", "d_t"] + (["d0", "c0_t", "d0_t"] if baseline else [])
     return (["a", "b", "c", "d", "e", "h", "l"] + (list(BASELINE) if baseline else []) + (["a2"] if control else [])
             + (["ap"] if profiler_baseline else []))
 

@@ -3,7 +3,8 @@
 1. per no-op RPC: context switches and user/sys CPU of caller and callee (/proc, no tool);
 2. in situ: each rpc_observe wrapper's own time per call, on the thread that runs it
    (pairs c_t, d_t: the worker's self-timer, BENCH_SELF_TIME=1);
-3. perf, if installed: CPU per RPC by shared object and the symbols that grew most, (a) vs (d);
+3. perf, if installed: CPU per RPC by shared object and the symbols that grew most, (a) vs (d); then, with
+   call stacks, the CPU per RPC in rpc_observe's own C code, by thread and by function, (d) (vs (d0));
 4. py-spy, if found: share of samples in rpc_observe functions, (d) caller and callee;
 5. cProfile of the (d) caller's main thread.
 """
@@ -21,6 +22,10 @@ from typing import Any
 from bench.pairs import Pair, proc_counters
 
 CPROFILE_CALLS = 3000
+OWN_CODE_SECONDS = 8.0  # dwarf call stacks: ~3 MB a second a process, and slow to read back
+_OWN_LIBS = ("_core.", "_spanjson.")  # the shared objects of rpc_observe's C code
+_PY_EVAL = ("_PyEval_EvalFrameDefault", "_PyEval_Vector")
+_THREADS = {"TP_UV_loop": "uv loop", "pt_thread_pool": "RPC pool"}
 _IDLE_LEAVES = ("wait (threading.py", "select", "epoll", "sleep", "readline", "_wait_for_tstate_lock",
                 "wait (rpc_observe", "(<built-in>)")
 
@@ -33,6 +38,7 @@ def run_profile(pairs: dict[str, Pair], py_spy: str | None, tmp: str, seconds: f
     perf = shutil.which("perf")
     if perf:
         texts.append(perf_by_dso(pairs, perf, tmp, seconds, out))
+        texts.append(perf_own_code(pairs, perf, tmp, min(seconds, OWN_CODE_SECONDS), out))
     else:
         print("perf: not found on PATH (apt-get install linux-perf); skipping the perf view", flush=True)
     d = pairs["d"]
@@ -162,6 +168,83 @@ def perf_by_dso(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, out
         lines.append(f"| {role} | {sym} | {v.get('a', 0):.1f} | {v.get('d', 0):.1f} | "
                      f"{v.get('d', 0) - v.get('a', 0):+.1f} |")
     return "\n".join(lines)
+
+
+def perf_own_code(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, out: dict[str, Any]) -> str:
+    """perf with DWARF call stacks on (d) and (d0): a sample is the add-on's own if a frame of its C modules
+    is on the stack and no Python frame lies between it and the leaf (else it is the call the hook wraps:
+    torch's code, or the UDF). CPU per RPC of each process, and the own part by thread and by the innermost
+    function of ours (what the compiler left out of line)."""
+    own: dict[str, dict[str, float]] = {}  # config -> "role|thread" or "role|fn name" or "role|*" -> us per RPC
+    for c in [c for c in ("d", "d0") if c in pairs]:
+        pr = pairs[c]
+        pr.resume()
+        datas = {}
+        procs = []
+        for role, w in (("caller", pr.caller), ("callee", pr.callee)):
+            datas[role] = os.path.join(tmp, f"perf-own-{c}-{role}.data")
+            procs.append(subprocess.Popen([perf, "record", "-e", "cpu-clock", "-F", "1000", "--call-graph",
+                                           "dwarf,16384", "-p", str(w.pid), "-o", datas[role], "--", "sleep",
+                                           str(int(seconds))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.3)
+        calls = pr.caller.call("loop", seconds=seconds - 0.6)["calls"]
+        for pp in procs:
+            pp.wait(120)
+        pr.pause()
+        us = own.setdefault(c, {})
+        for role, data in datas.items():
+            script = subprocess.run([perf, "script", "-i", data, "-F", "comm,pid,tid,ip,sym,dso", "--no-inline"],
+                                    capture_output=True, text=True).stdout
+            for thread, frames in perf_stacks(script):
+                kind = own_kind(frames)
+                for key in (f"{role}|all", f"{role}|{kind}") + ((f"{role}|{thread}", f"{role}|fn {frames[0]}")
+                                                                 if kind == "own" else ()):
+                    us[key] = us.get(key, 0.0) + 1000 / calls  # 1000 Hz: one sample is 1000 us of CPU
+    out["perf_own_us_per_call"] = own
+    cs = list(own)
+    head = " | ".join(f"({c})" for c in cs)
+    lines = ["perf with call stacks (cpu-clock, 1000 Hz, DWARF): CPU per no-op RPC, us. 'own': in rpc_observe's "
+             "C code (no Python frame between it and the leaf); 'under a hook': the call a hook wraps (torch's "
+             "Python and the UDF)", f"| process | part | {head} |", "|---|---|" + "---|" * len(cs)]
+    keys = sorted({k for v in own.values() for k in v}, key=lambda k: (k.split("|")[0], k.split("|")[1].startswith(
+        "fn "), -own.get("d", {}).get(k, 0.0)))
+    for k in keys:
+        role, part = k.split("|", 1)
+        if part.startswith("fn ") and own.get("d", {}).get(k, 0.0) < 0.2:
+            continue  # the functions' tail
+        lines.append(f"| {role} | {part} | " + " | ".join(f"{own[c].get(k, 0.0):.1f}" for c in cs) + " |")
+    return "\n".join(lines)
+
+
+def perf_stacks(script: str) -> list[tuple[str, list[str]]]:
+    """`perf script -F comm,pid,tid,ip,sym,dso` as (thread, frames leaf first); a frame is "symbol dso-name" for
+    the add-on's modules and the Python eval loop, else the symbol."""
+    stacks: list[tuple[str, list[str]]] = []
+    for block in script.split("\n\n"):
+        rows = block.strip("\n").split("\n")
+        if not rows or not rows[0] or rows[0].startswith(("\t", " ")):
+            continue
+        *comm_words, ids = rows[0].split()
+        comm = " ".join(comm_words)
+        pid, _, tid = ids.partition("/")
+        thread = _THREADS.get(comm, "main" if pid == tid else f"other ({comm})")
+        frames = []
+        for row in rows[1:]:
+            _ip, _, rest = row.strip().partition(" ")
+            sym, _, dso = rest.rpartition(" (")
+            name = os.path.basename(dso.rstrip(")"))
+            frames.append(f"{sym} [{name.split('.')[0]}]" if name.startswith(_OWN_LIBS) else sym)
+        if frames:
+            stacks.append((thread, frames))
+    return stacks
+
+
+def own_kind(frames: list[str]) -> str:
+    """"own" (leaf in the add-on's C code or below it without Python), "under a hook", or "rest"."""
+    for i, frame in enumerate(frames):
+        if frame.endswith(("[_core]", "[_spanjson]")):
+            return "under a hook" if any(f in _PY_EVAL for f in frames[:i]) else "own"
+    return "rest"
 
 
 # -- 4. py-spy -----------------------------------------------------------------------------------
