@@ -22,7 +22,7 @@ from typing import Any
 from bench.pairs import Pair, proc_counters
 
 CPROFILE_CALLS = 3000
-OWN_CODE_SECONDS = 8.0  # dwarf call stacks: ~3 MB a second a process, and slow to read back
+OWN_CODE_SECONDS = 5.0  # a turn; dwarf call stacks are ~3 MB a second a process, and slow to read back
 _OWN_LIBS = ("_core.", "_spanjson.")  # the shared objects of rpc_observe's C code
 _PY_EVAL = ("_PyEval_EvalFrameDefault", "_PyEval_Vector")
 _THREADS = {"TP_UV_loop": "uv loop", "pt_thread_pool": "RPC pool"}
@@ -171,48 +171,55 @@ def perf_by_dso(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, out
 
 
 def perf_own_code(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, out: dict[str, Any]) -> str:
-    """perf with DWARF call stacks on (d) and (d0): a sample is the add-on's own if a frame of its C modules
-    is on the stack and no Python frame lies between it and the leaf (else it is the call the hook wraps:
-    torch's code, or the UDF). CPU per RPC of each process, and the own part by thread and by the innermost
-    function of ours (what the compiler left out of line)."""
-    own: dict[str, dict[str, float]] = {}  # config -> "role|thread" or "role|fn name" or "role|*" -> us per RPC
-    for c in [c for c in ("d", "d0") if c in pairs]:
+    """perf with DWARF call stacks on (d) and (d0), taking turns (d, d0, d0, d: a drift of the machine falls on
+    both): a sample is the add-on's own if a frame of its C modules is on the stack and no Python frame lies
+    between it and the leaf (else it is the call the hook wraps: torch's code, or the UDF). CPU per RPC of each
+    process, the own part by thread, and the leaf functions of the own part."""
+    configs = [c for c in ("d", "d0") if c in pairs]
+    samples: dict[str, dict[str, int]] = {c: {} for c in configs}  # config -> "role|part" -> samples
+    calls = dict.fromkeys(configs, 0)
+    for turn, c in enumerate(configs + configs[::-1]):
         pr = pairs[c]
         pr.resume()
         datas = {}
         procs = []
         for role, w in (("caller", pr.caller), ("callee", pr.callee)):
-            datas[role] = os.path.join(tmp, f"perf-own-{c}-{role}.data")
+            datas[role] = os.path.join(tmp, f"perf-own-{c}-{turn}-{role}.data")
             procs.append(subprocess.Popen([perf, "record", "-e", "cpu-clock", "-F", "1000", "--call-graph",
                                            "dwarf,16384", "-p", str(w.pid), "-o", datas[role], "--", "sleep",
                                            str(int(seconds))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(0.3)
-        calls = pr.caller.call("loop", seconds=seconds - 0.6)["calls"]
+        calls[c] += pr.caller.call("loop", seconds=seconds - 0.6)["calls"]
         for pp in procs:
             pp.wait(120)
         pr.pause()
-        us = own.setdefault(c, {})
+        counts = samples[c]
         for role, data in datas.items():
             script = subprocess.run([perf, "script", "-i", data, "-F", "comm,pid,tid,ip,sym,dso", "--no-inline"],
                                     capture_output=True, text=True).stdout
             for thread, frames in perf_stacks(script):
                 kind = own_kind(frames)
-                for key in (f"{role}|all", f"{role}|{kind}") + ((f"{role}|{thread}", f"{role}|fn {frames[0]}")
+                for key in (f"{role}|all", f"{role}|{kind}") + ((f"{role}|own on {thread}", f"{role}|leaf {frames[0]}")
                                                                  if kind == "own" else ()):
-                    us[key] = us.get(key, 0.0) + 1000 / calls  # 1000 Hz: one sample is 1000 us of CPU
+                    counts[key] = counts.get(key, 0) + 1
+    # 1000 Hz: one sample is 1000 us of CPU
+    own = {c: {k: n * 1000 / max(calls[c], 1) for k, n in samples[c].items()} for c in configs}
     out["perf_own_us_per_call"] = own
-    cs = list(own)
-    head = " | ".join(f"({c})" for c in cs)
-    lines = ["perf with call stacks (cpu-clock, 1000 Hz, DWARF): CPU per no-op RPC, us. 'own': in rpc_observe's "
-             "C code (no Python frame between it and the leaf); 'under a hook': the call a hook wraps (torch's "
-             "Python and the UDF)", f"| process | part | {head} |", "|---|---|" + "---|" * len(cs)]
-    keys = sorted({k for v in own.values() for k in v}, key=lambda k: (k.split("|")[0], k.split("|")[1].startswith(
-        "fn "), -own.get("d", {}).get(k, 0.0)))
-    for k in keys:
-        role, part = k.split("|", 1)
-        if part.startswith("fn ") and own.get("d", {}).get(k, 0.0) < 0.2:
-            continue  # the functions' tail
-        lines.append(f"| {role} | {part} | " + " | ".join(f"{own[c].get(k, 0.0):.1f}" for c in cs) + " |")
+    out["perf_own_calls"] = calls
+    head = " | ".join(f"({c})" for c in configs)
+    lines = [f"perf with call stacks (cpu-clock, 1000 Hz, DWARF; (d) and (d0) taking turns, {len(configs) * 2} x "
+             f"{seconds:.0f} s): CPU per no-op RPC, us. 'own': in rpc_observe's C code, or what it calls without a "
+             "Python frame between; 'under a hook': the call a hook wraps (torch's Python and the UDF)",
+             f"| process | part | {head} |", "|---|---|" + "---|" * len(configs)]
+    for role in ("caller", "callee"):
+        parts = sorted({k for v in own.values() for k in v if k.startswith(role + "|")},
+                       key=lambda k: -own["d"].get(k, 0.0))
+        for prefix in ("all", "rest", "under a hook", "own", "own on ", "leaf "):
+            chosen = [k for k in parts if (k.split("|", 1)[1].startswith(prefix) if prefix.endswith(" ")
+                                           else k.split("|", 1)[1] == prefix)]
+            for k in chosen[:12]:  # the leaves' tail left out
+                lines.append(f"| {role} | {k.split('|', 1)[1]} | " + " | ".join(f"{own[c].get(k, 0.0):.1f}"
+                                                                             for c in configs) + " |")
     return "\n".join(lines)
 
 
