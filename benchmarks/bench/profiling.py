@@ -121,24 +121,31 @@ def self_times(pairs: dict[str, Pair], out: dict[str, Any], n: int = 1500, reps:
 
 
 # -- 3. perf -------------------------------------------------------------------------------------
+def perf_record(pr: Pair, perf: str, prefix: str, seconds: float, options: tuple[str, ...] = ()
+                ) -> tuple[dict[str, str], int]:
+    """`perf record` (cpu-clock, 1000 Hz, `options`) on both processes of a pair while its caller loops
+    no-op RPCs: the data file of each role, and the number of calls."""
+    pr.resume()
+    datas = {}
+    procs = []
+    for role, w in (("caller", pr.caller), ("callee", pr.callee)):
+        datas[role] = f"{prefix}-{role}.data"
+        procs.append(subprocess.Popen([perf, "record", "-e", "cpu-clock", "-F", "1000", *options, "-p", str(w.pid),
+                                       "-o", datas[role], "--", "sleep", str(int(seconds))],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(0.3)
+    calls = pr.caller.call("loop", seconds=seconds - 0.6)["calls"]
+    for pp in procs:
+        pp.wait(120)
+    pr.pause()
+    return datas, calls
+
+
 def perf_by_dso(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, out: dict[str, Any]) -> str:
     per_dso: dict[tuple[str, str], dict[str, float]] = {}
     per_sym: dict[tuple[str, str], dict[str, float]] = {}  # (role, "dso symbol")
     for c in ("a", "d"):
-        pr = pairs[c]
-        pr.resume()
-        datas = {}
-        procs = []
-        for role, w in (("caller", pr.caller), ("callee", pr.callee)):
-            datas[role] = os.path.join(tmp, f"perf-{c}-{role}.data")
-            procs.append(subprocess.Popen([perf, "record", "-e", "cpu-clock", "-F", "1000", "-p", str(w.pid),
-                                           "-o", datas[role], "--", "sleep", str(int(seconds))],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(0.3)
-        calls = pr.caller.call("loop", seconds=seconds - 0.6)["calls"]
-        for pp in procs:
-            pp.wait(60)
-        pr.pause()
+        datas, calls = perf_record(pairs[c], perf, os.path.join(tmp, f"perf-{c}"), seconds)
         for role, data in datas.items():
             rep = subprocess.run([perf, "report", "-i", data, "--sort", "dso", "-g", "none", "--stdio",
                                   "-F", "sample,dso"], capture_output=True, text=True).stdout
@@ -179,20 +186,9 @@ def perf_own_code(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, o
     samples: dict[str, dict[str, int]] = {c: {} for c in configs}  # config -> "role|part" -> samples
     calls = dict.fromkeys(configs, 0)
     for turn, c in enumerate(configs + configs[::-1]):
-        pr = pairs[c]
-        pr.resume()
-        datas = {}
-        procs = []
-        for role, w in (("caller", pr.caller), ("callee", pr.callee)):
-            datas[role] = os.path.join(tmp, f"perf-own-{c}-{turn}-{role}.data")
-            procs.append(subprocess.Popen([perf, "record", "-e", "cpu-clock", "-F", "1000", "--call-graph",
-                                           "dwarf,16384", "-p", str(w.pid), "-o", datas[role], "--", "sleep",
-                                           str(int(seconds))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(0.3)
-        calls[c] += pr.caller.call("loop", seconds=seconds - 0.6)["calls"]
-        for pp in procs:
-            pp.wait(120)
-        pr.pause()
+        datas, n = perf_record(pairs[c], perf, os.path.join(tmp, f"perf-own-{c}-{turn}"), seconds,
+                               ("--call-graph", "dwarf,16384"))
+        calls[c] += n
         counts = samples[c]
         for role, data in datas.items():
             script = subprocess.run([perf, "script", "-i", data, "-F", "comm,pid,tid,ip,sym,dso", "--no-inline"],
