@@ -23,7 +23,8 @@ from bench.pairs import Pair, proc_counters
 
 CPROFILE_CALLS = 3000
 OWN_CODE_SECONDS = 5.0  # a turn; dwarf call stacks are ~3 MB a second a process, and slow to read back
-_OWN_LIBS = ("_core.", "_spanjson.")  # the shared objects of rpc_observe's C code
+_OWN_MODULES = ("_core", "_spanjson")  # rpc_observe's C modules (shared objects "<name>.cpython-...so")
+_OWN_TAGS = tuple(f" [{m}]" for m in _OWN_MODULES)  # how perf_stacks marks their frames
 _PY_EVAL = ("_PyEval_EvalFrameDefault", "_PyEval_Vector")
 _THREADS = {"TP_UV_loop": "uv loop", "pt_thread_pool": "RPC pool"}
 _IDLE_LEAVES = ("wait (threading.py", "select", "epoll", "sleep", "readline", "_wait_for_tstate_lock",
@@ -220,8 +221,8 @@ def perf_own_code(pairs: dict[str, Pair], perf: str, tmp: str, seconds: float, o
 
 
 def perf_stacks(script: str) -> list[tuple[str, list[str]]]:
-    """`perf script -F comm,pid,tid,ip,sym,dso` as (thread, frames leaf first); a frame is "symbol dso-name" for
-    the add-on's modules and the Python eval loop, else the symbol."""
+    """`perf script -F comm,pid,tid,ip,sym,dso` as (thread, frames leaf first); a frame is its symbol, and
+    "symbol [module]" in one of the add-on's C modules."""
     stacks: list[tuple[str, list[str]]] = []
     for block in script.split("\n\n"):
         rows = block.strip("\n").split("\n")
@@ -235,8 +236,8 @@ def perf_stacks(script: str) -> list[tuple[str, list[str]]]:
         for row in rows[1:]:
             _ip, _, rest = row.strip().partition(" ")
             sym, _, dso = rest.rpartition(" (")
-            name = os.path.basename(dso.rstrip(")"))
-            frames.append(f"{sym} [{name.split('.')[0]}]" if name.startswith(_OWN_LIBS) else sym)
+            module = os.path.basename(dso.rstrip(")")).split(".")[0]
+            frames.append(f"{sym} [{module}]" if module in _OWN_MODULES else sym)
         if frames:
             stacks.append((thread, frames))
     return stacks
@@ -245,7 +246,7 @@ def perf_stacks(script: str) -> list[tuple[str, list[str]]]:
 def own_kind(frames: list[str]) -> str:
     """"own" (leaf in the add-on's C code or below it without Python), "under a hook", or "rest"."""
     for i, frame in enumerate(frames):
-        if frame.endswith(("[_core]", "[_spanjson]")):
+        if frame.endswith(_OWN_TAGS):
             return "under a hook" if any(f in _PY_EVAL for f in frames[:i]) else "own"
     return "rest"
 
