@@ -570,12 +570,22 @@ def nested_spans(world):
 LOG_FORMAT = "%(otelTraceID)s|%(otelSpanID)s|%(otelServiceName)s|%(otelTraceSampled)s|%(message)s"
 
 
-def logging_udf(depth):
-    """Logs inside the UDF, and around a nested rpc_async when `depth` > 0."""
+CALLER_LOGGED = threading.Event()  # set by `caller_logged`: the caller has logged while its call was in flight
+
+
+def caller_logged():
+    CALLER_LOGGED.set()
+
+
+def logging_udf(depth, hold=False):
+    """Logs inside the UDF, and around a nested rpc_async when `depth` > 0; with `hold`, returns only once
+    the caller has logged (so the caller's record is made while the call is surely in flight)."""
     import logging
 
     log = logging.getLogger("scenario")
     log.info("udf depth=%d", depth)
+    if hold:
+        CALLER_LOGGED.wait(60)
     if depth:
         fut = rpc.rpc_async("worker2", logging_udf, args=(depth - 1,))
         log.info("udf waiting depth=%d", depth)
@@ -592,8 +602,9 @@ def logs(world):
     log.info("before")
     rpc.rpc_sync("worker1", logging_udf, args=(1,))
     log.info("between")
-    fut = rpc.rpc_async("worker1", logging_udf, args=(0,))
+    fut = rpc.rpc_async("worker1", logging_udf, args=(0, True))
     log.info("in flight")
+    rpc.rpc_sync("worker1", caller_logged)
     fut.wait()
     log.info("after")
     return {"logged": True}
