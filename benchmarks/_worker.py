@@ -303,7 +303,7 @@ class Profiled:
         self.events: dict[str, int] | None = None
 
     def __enter__(self) -> Profiled:
-        if CONFIG in ("e", "ap"):
+        if CONFIG in ("e", "e0", "ap"):
             from torch.profiler import ProfilerActivity, profile
 
             self.prof = profile(activities=[ProfilerActivity.CPU])

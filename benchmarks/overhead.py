@@ -86,9 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="TensorPipe channels, comma-separated, or 'default' for TensorPipe's own choice "
                          "(default basic: tensors inline over the transport)")
     ap.add_argument("--baseline", metavar="REV",
-                    help="also run (c0) and (d0): (c) and (d) with rpc_observe as it was at git revision REV, in the "
-                         "same rounds (and, with --profile, its in-situ self times), so a change is measured side "
-                         "by side; the saturation section adds (d0)")
+                    help="also run (c0), (d0) and (e0): (c), (d) and (e) with rpc_observe as it was at git revision "
+                         "REV, in the same rounds (and, with --profile, its in-situ self times), so a change is "
+                         "measured side by side; the saturation section adds (d0)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--noop-calls", type=int)
     ap.add_argument("--big-calls", type=int)

@@ -50,11 +50,11 @@ for _c in ("c", "d"):  # --profile: (c), (d) with the worker's in-situ self-time
     LABELS[_c + "_t"] = LABELS[_c] + " + self-timer"
     ENVS[_c + "_t"] = {**ENVS[_c], "BENCH_SELF_TIME": "1"}
 EXTRA_ENV: dict[str, dict[str, str]] = {}  # per config, for diagnostics (edit by hand)
-BASELINE = ("c0", "d0")  # --baseline REV: (c) and (d) with rpc_observe imported from REV's tree
+BASELINE = ("c0", "d0", "e0")  # --baseline REV: (c), (d) and (e) with rpc_observe imported from REV's tree
 
 
 def add_baseline(rev: str, tree: str) -> None:
-    """Registers (c0) and (d0): the configs (c) and (d), their rpc_observe imported from `tree` (REV's
+    """Registers (c0), (d0) and (e0): the configs (c), (d) and (e), their rpc_observe imported from `tree` (REV's
     rpc_observe/, put first on PYTHONPATH), so that a change is measured against REV in the same rounds."""
     for c in BASELINE:
         LABELS[c] = f"{LABELS[c[0]]} at {rev}"

@@ -131,7 +131,7 @@ def added_table(result: dict[str, Any]) -> str:
              "| config | no-op, all processes | 8-thread, all processes | saturation, server | saturation, all |",
              "|---|---|---|---|---|"]
     added = result.get("added_cpu", {})
-    for c in ("b", "c", "c0", "d", "d0", "e", "h", "l"):
+    for c in ("b", "c", "c0", "d", "d0", "e", "e0", "h", "l"):
         cells = [added.get(m, {}).get(c) for m in CPU_METRICS]
         if any(x is not None for x in cells):
             lines.append(f"| ({c}) | " + " | ".join("-" if x is None else f"{x['median']:+.1f}" for x in cells) + " |")

@@ -1723,14 +1723,15 @@ end_echoed(PyObject *runtime, PyObject *obj, Py_ssize_t message_size, PyObject *
             goto done;
         }
     }
-    if (Py_IS_TYPE(obj, (PyTypeObject *)refs.remote_exception) || rf != Py_None || profiled) {
+    if (Py_IS_TYPE(obj, (PyTypeObject *)refs.remote_exception) || (rf == Py_None && profiled)) {
         done = PyObject_CallFunction(refs.finish_call, "OOLL", call, obj, end_ns, callee_ns);
         if (done != NULL) {
             result = Py_NewRef(obj);
         }
         goto done;
     }
-    /* Call.finish, inline, for a successful call no profiler has seen (tests/unit/test_endings.py). */
+    /* Call.finish, inline, for a successful call whose profiler event, if any, is torch's own (its future ends
+     * it; Call.finish keeps an event only for a call without one, once a profiler is armed) (test_endings.py). */
     long long start_ns = fields->start_ns;
     span = CALL_FIELD(fields, span);
     if (Py_IS_TYPE(refs.finished, &FinishedCallsType)) {
@@ -3198,7 +3199,7 @@ static struct {
 } invoke_refs;
 
 static PyObject *s_start_client, *s_client_start, *s_key,
-    *s_started, *s_client_sites, *s_value_, *s_args_kw;
+    *s_started, *s_client_sites, *s_value_, *s_args_kw, *s_swept, *s_client_end_on;
 
 static int
 intern_invoke_names(void)
@@ -3206,6 +3207,7 @@ intern_invoke_names(void)
     struct { PyObject **slot; const char *text; } names[] = {
         {&s_start_client, "start_client"}, {&s_client_start, "client_start"}, {&s_key, "key"},
         {&s_started, "started"}, {&s_client_sites, "client_sites"}, {&s_value_, "_value_"}, {&s_args_kw, "args"},
+        {&s_swept, "swept"}, {&s_client_end_on, "client_end_on"},
         {&invoke_refs.where_start, "client_start"}, {&invoke_refs.where_watch, "client_watch"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
@@ -3380,6 +3382,19 @@ invoke_call(PyObject *runtime, PyObject *const *args, Py_ssize_t nargs, PyObject
     return call;
 }
 
+/* site.swept (client.ClientSite): 1 (also for no site: _after_invoke's way), 0, or -1 with an error set. */
+static int
+is_swept(PyObject *site)
+{
+    if (site == NULL) {
+        return 1;
+    }
+    PyObject *swept = GET(site, s_swept);
+    int value = swept != NULL ? PyObject_IsTrue(swept) : -1;
+    Py_XDECREF(swept);
+    return value;
+}
+
 /* api._invoke_rpc(to, func, rpc_type, *args, **kwargs), wrapped: client.py's `_invoke_rpc`, step for step. */
 static PyObject *
 invoke_rpc_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -3415,9 +3430,24 @@ invoke_rpc_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t nar
     /* its echoed response ends it (the common case, inline), else _after_invoke watches the future */
     CallObject *fields = AS_CALL(call);  /* client._begin's Call: always one where the core is built */
     PyObject *result = NULL;
-    if (fields != NULL && fields->id != 0 && (fields->rf == NULL || fields->rf == Py_None)) {
+    int echoed = fields != NULL && fields->id != 0, profiled = echoed && fields->rf != NULL && fields->rf != Py_None;
+    int swept = 0;
+    if (echoed && !profiled) {
         Py_XSETREF(fields->future, Py_NewRef(future));
         result = Py_NewRef(future);
+    }
+    else if (echoed && (swept = is_swept(fields->site)) == 0) {
+        /* _after_invoke, inline, for a call with torch's profiler event on a site that is not swept: the
+         * future torch's own profiling path returns, which completes only once the event is ended */
+        PyObject *profiler = GET(runtime, s_profiler);
+        if (profiler != NULL) {
+            Py_XSETREF(fields->future, Py_NewRef(future));
+            result = PyObject_CallMethodObjArgs(profiler, s_client_end_on, fields->rf, future, NULL);
+            Py_DECREF(profiler);
+        }
+    }
+    else if (swept < 0) {
+        result = NULL;  /* reading `swept` failed: counted below, as _after_invoke's own errors are */
     }
     else {
         result = PyObject_CallFunctionObjArgs(invoke_refs.after_invoke, call, future, args[2], NULL);

@@ -267,11 +267,13 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
                             logical, traveling = tensor_sizes(tensors) if tensors else (0, 0)
                             record((fold_message, site.response_cells, parsed[0], len(tensors),
                                     logical, traveling, seconds, site.received, len(data) + traveling))
-                        if type(obj) is RemoteException or call.rf is not None or (
-                                runtime.profiler is not None and runtime.profiler.armed):
+                        if type(obj) is RemoteException or (call.rf is None and runtime.profiler is not None
+                                                            and runtime.profiler.armed):
                             call.finish(end_ns, calls.remote_error(obj), callee_ns)
                             return obj
-                        # Call.finish, inline, for a successful call no profiler has seen (tests/unit/test_endings.py).
+                        # Call.finish, inline, for a successful call whose profiler event, if any, is torch's own
+                        # (its future ends it; Call.finish keeps an event only for a call without one, once a
+                        # profiler is armed) (tests/unit/test_endings.py).
                         _finished_append((site, call.id, call.start_ns, end_ns, None))
                         if record is not None:
                             if callee_ns >= 0:

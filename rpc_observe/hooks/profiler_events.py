@@ -31,6 +31,16 @@ _profiler_enabled = torch.autograd._profiler_enabled
 _LEGACY = torch._C._profiler.ActiveProfilerType.LEGACY
 _profiler_type = torch._C._autograd._profiler_type
 CATEGORY = "rpc_observe"
+# The three ops `record_function` runs (enter, end when a future completes, exit), resolved once and called as
+# the builtins behind them: `record_function` makes a Python object per event and looks the ops up through
+# torch.ops each time. Under DisableTorchFunctionSubclass, as `record_function` calls them (torch's issue 76410:
+# the __torch_function__ handling is slow). Its experimental CUPTI-monitor annotation is left out: it is pushed
+# on enter and popped on exit, which an event ended by a future never runs.
+_ops = torch.ops.profiler
+_enter = _ops._record_function_enter_new.default._op
+_end_on = _ops._call_end_callbacks_on_jit_fut._RecordFunction._op
+_exit = _ops._record_function_exit._RecordFunction._op
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
 
 
 class ProfilerEvents:
@@ -45,20 +55,23 @@ class ProfilerEvents:
         self._ring: collections.deque = collections.deque(maxlen=capacity)
 
     def client_start(self, key: str) -> Any:
-        """A record_function for `key` if this thread is profiled by Kineto, else None."""
-        if not _profiler_enabled() or _profiler_type() == _LEGACY:
+        """A record_function event for `key` (torch's `_RecordFunction` handle), begun, if the profiler that is on
+        (the caller checked `_profiler_enabled()`) is Kineto's, else None."""
+        if _profiler_type() == _LEGACY:
             return None
-        rf = torch.autograd.profiler.record_function(key)
-        rf.__enter__()
-        return rf
+        with _no_torch_function():
+            return _enter(key, None)
 
     @staticmethod
     def client_end_on(rf: Any, future: Any) -> Any:
-        return rf._call_end_callbacks_on_future(future)
+        """The future that completes as `future` does, once the event is ended (torch's own async profiling)."""
+        with _no_torch_function():
+            return _end_on(rf, future)
 
     @staticmethod
     def client_end(rf: Any) -> None:
-        rf.__exit__(None, None, None)
+        with _no_torch_function():
+            _exit(rf)
 
     def record(self, key: str, kind: str, start_ns: int, end_ns: int, tid: int, span: Any) -> None:
         """Keeps an event of a thread the profiler does not see (only while armed)."""

@@ -105,9 +105,12 @@ def _effects(rt: runtime.Runtime, messages: bool = False) -> dict[str, Any]:
     return effects
 
 
-def _started_call(rt: runtime.Runtime, site: ClientSite, monkeypatch: pytest.MonkeyPatch) -> calls.Call:
+def _started_call(rt: runtime.Runtime, site: ClientSite, monkeypatch: pytest.MonkeyPatch,
+                  rf: Any = None) -> calls.Call:
+    """A call in flight; `rf`: its torch profiler event (which its future ends, never the ending)."""
     monkeypatch.setattr(calls, "_time_ns", lambda: START_NS)
     call = calls.Call(rt, site)
+    call.rf = rf
     call.id = calls.next_id()
     calls.in_flight[call.id] = call
     if rt.metrics is not None:
@@ -118,22 +121,27 @@ def _started_call(rt: runtime.Runtime, site: ClientSite, monkeypatch: pytest.Mon
 RESULTS = {"value": lambda: {"a": 1}, "remote_error": lambda: RemoteException("boom", ValueError)}
 
 
+@pytest.mark.parametrize("event", [False, True], ids=["", "torch_event"])
 @pytest.mark.parametrize("callee_us", ["", "1234"], ids=["no_callee_time", "callee_time"])
 @pytest.mark.parametrize("result", RESULTS)
 def test_the_response_fast_path_ends_a_call_as_call_finish_does(
-        world: runtime.Runtime, codec: str, monkeypatch: pytest.MonkeyPatch, callee_us: str, result: str) -> None:
+        world: runtime.Runtime, codec: str, monkeypatch: pytest.MonkeyPatch, callee_us: str, result: str,
+        event: bool) -> None:
+    """`event`: the call has torch's own profiler event (a call on a thread Kineto records), which its future
+    ends; the ending then keeps none in the ring."""
     site = ClientSite(world, noop, "sync", "worker1")
     obj = RESULTS[result]()
     tensors = [torch.ones(4)]
+    rf = object() if event else None
     monkeypatch.setattr(pickler, "_time_ns", lambda: END_NS)
 
-    inline = _started_call(world, site, monkeypatch)
+    inline = _started_call(world, site, monkeypatch, rf)
     data = b"RESULT." + trailer.response_trailer(str(inline.id), int(callee_us) if callee_us else -1)
     assert pickler.wrap_deserialize(lambda self, d, t: obj)(None, data, tensors) is obj
     assert inline.id not in calls.in_flight
     fast = _effects(world)
 
-    reference = _started_call(world, site, monkeypatch)
+    reference = _started_call(world, site, monkeypatch, rf)
     _, fields = trailer.split(data)  # the reference parser, and the reference ending
     assert fields is not None and int(fields[trailer.RESPONSE_CALL_ID]) == inline.id
     callee_ns = int(fields[trailer.RESPONSE_CALLEE_US]) * 1000 if len(fields) > trailer.RESPONSE_CALLEE_US else -1
@@ -141,7 +149,7 @@ def test_the_response_fast_path_ends_a_call_as_call_finish_does(
     reference.finish(END_NS, calls.remote_error(obj), callee_ns)
     assert fast == _effects(world)
 
-    ended = [world.metrics is not None, world.tracer is not None, world.profiler is not None]
+    ended = [world.metrics is not None, world.tracer is not None, world.profiler is not None and not event]
     assert [bool(fast["records"]), bool(fast["spans"]), bool(fast["profiler"])] == ended  # each was seen
     assert fast["finished"] == [(site, START_NS, END_NS, "ValueError" if result == "remote_error" else None)]
     assert not fast["internal_errors"]
