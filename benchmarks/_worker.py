@@ -303,7 +303,7 @@ class Profiled:
         self.events: dict[str, int] | None = None
 
     def __enter__(self) -> Profiled:
-        if CONFIG in ("e", "e0", "ap"):
+        if CONFIG.removesuffix("_t") in ("e", "e0", "ap"):  # e_t, e0_t: --profile's self-timed (e)
             from torch.profiler import ProfilerActivity, profile
 
             self.prof = profile(activities=[ProfilerActivity.CPU])
@@ -567,20 +567,6 @@ def cmd_memory(calls: int, sample_every: int, **_: Any) -> dict[str, Any]:
     return {"samples": samples, "seconds": time.perf_counter() - s}
 
 
-def cmd_cprofile(n: int, out: str, **_: Any) -> dict[str, Any]:
-    """cProfile of `n` no-op rpc_sync calls on this (the caller's main) thread."""
-    import cProfile
-
-    t = torch.ones(4)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        rpc.rpc_sync(PEER, echo, args=(t,))
-    prof.disable()
-    prof.dump_stats(out)
-    return {"stats": out}
-
-
 def cmd_loop(seconds: float, **_: Any) -> dict[str, Any]:
     """No-op RPCs for `seconds` (for an outside sampler such as py-spy)."""
     t = torch.ones(4)
@@ -669,14 +655,16 @@ def cmd_selftime(n: int = 3000, **_: Any) -> dict[str, Any]:
     t = torch.ones(4)
     self_time_report()
     rpc.rpc_sync(PEER, self_time_report)
-    for _ in range(n):
-        rpc.rpc_sync(PEER, echo, args=(t,))
-    return {"caller": self_time_report(), "callee": rpc.rpc_sync(PEER, self_time_report)}
+    with Profiled():  # (e): under the caller's torch.profiler session
+        for _ in range(n):
+            rpc.rpc_sync(PEER, echo, args=(t,))
+        caller = self_time_report()
+    return {"caller": caller, "callee": rpc.rpc_sync(PEER, self_time_report)}
 
 
 COMMANDS = {
     "noop": cmd_noop, "big": cmd_big, "thr": cmd_thr, "ser": cmd_ser, "pickler": cmd_pickler,
-    "memory": cmd_memory, "cprofile": cmd_cprofile, "loop": cmd_loop, "selftime": cmd_selftime,
+    "memory": cmd_memory, "loop": cmd_loop, "selftime": cmd_selftime,
     "sat_start": cmd_sat_start, "sat_stop": cmd_sat_stop, "served": cmd_served, "threads": cmd_threads,
 }
 

@@ -5,8 +5,8 @@
     python benchmarks/overhead.py --quick            # < 5 min: fewer rounds and calls, no memory section
     python benchmarks/overhead.py --saturation-only  # only the server-saturation section (~4 min; with --quick ~2)
     python benchmarks/overhead.py --memory           # only the memory section
-    python benchmarks/overhead.py --profile          # where (c)/(d) spend time: /proc counters, in-situ self
-                                                     # times, perf and py-spy where found, cProfile
+    python benchmarks/overhead.py --profile          # where (c)/(d)/(e) spend time: /proc counters, in-situ self
+                                                     # times, perf and py-spy where found
 
 Configurations, each a pair of worker processes (worker0 calls, worker1 serves) on 127.0.0.1
 TensorPipe (`uv` transport, `basic` channel), driven from here over stdin / a JSON answer pipe,
@@ -64,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="only the server-saturation section (with --quick: its quick parameters)")
     ap.add_argument("--memory", action="store_true", help="only the memory section (pairs a and d)")
     ap.add_argument("--profile", action="store_true",
-                    help="only profile configs (c) and (d) against (a): /proc counters, in-situ self times, perf "
-                         "and py-spy if found, cProfile")
+                    help="only profile configs (c), (d) and (e) against (a): /proc counters, in-situ self times, perf "
+                         "and py-spy if found")
     ap.add_argument("--py-spy", default=shutil.which("py-spy"), metavar="PATH",
                     help="py-spy for --profile (default: the py-spy on PATH, here: %(default)s); the py-spy view "
                          "is skipped, with a message, when there is none")

@@ -46,7 +46,7 @@ ENVS: dict[str, dict[str, str]] = {
     "l": {},
 }
 NO_SITE = ("a", "a2", "ap", "h", "l")  # started with `python -S`
-for _c in ("c", "d"):  # --profile: (c), (d) with the worker's in-situ self-timer (BENCH_SELF_TIME)
+for _c in ("c", "d", "e"):  # --profile: (c), (d), (e) with the worker's in-situ self-timer (BENCH_SELF_TIME)
     LABELS[_c + "_t"] = LABELS[_c] + " + self-timer"
     ENVS[_c + "_t"] = {**ENVS[_c], "BENCH_SELF_TIME": "1"}
 EXTRA_ENV: dict[str, dict[str, str]] = {}  # per config, for diagnostics (edit by hand)
@@ -71,7 +71,7 @@ def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False
     if mode == "memory":
         return ["a", "d"]
     if mode == "profile":
-        return ["a", "c", "d", "c_t", "d_t"] + (["d0", "c0_t", "d0_t"] if baseline else [])
+        return ["a", "c", "d", "c_t", "d_t", "e_t"] + (["d0", "c0_t", "d0_t", "e0_t"] if baseline else [])
     return (["a", "b", "c", "d", "e", "h", "l"] + (list(BASELINE) if baseline else []) + (["a2"] if control else [])
             + (["ap"] if profiler_baseline else []))
 

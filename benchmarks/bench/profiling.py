@@ -1,18 +1,17 @@
-"""--profile: where the time of (c)/(d) goes, against (a). Five views, cheapest first:
+"""--profile: where the time of (c)/(d)/(e) goes, against (a). Four views, cheapest first:
 
 1. per no-op RPC: context switches and user/sys CPU of caller and callee (/proc, no tool);
 2. in situ: each rpc_observe wrapper's own time per call, on the thread that runs it
-   (pairs c_t, d_t: the worker's self-timer, BENCH_SELF_TIME=1);
+   (pairs c_t, d_t, e_t: the worker's self-timer, BENCH_SELF_TIME=1);
 3. perf, if installed: CPU per RPC by shared object and the symbols that grew most, (a) vs (d); then, with
    call stacks, the CPU per RPC in rpc_observe's own C code, by thread and by function, (d) (vs (d0));
-4. py-spy, if found: share of samples in rpc_observe functions, (d) caller and callee;
-5. cProfile of the (d) caller's main thread.
+4. py-spy, if found: share of samples in rpc_observe functions, (d) caller and callee.
+(A cProfile of the caller's thread was dropped: its whole path is C, so it listed no function.)
 """
 
 from __future__ import annotations
 
 import os
-import pstats
 import shutil
 import statistics
 import subprocess
@@ -21,7 +20,6 @@ from typing import Any
 
 from bench.pairs import Pair, proc_counters
 
-CPROFILE_CALLS = 3000
 OWN_CODE_SECONDS = 5.0  # a turn; dwarf call stacks are ~3 MB a second a process, and slow to read back
 _OWN_MODULES = ("_core", "_spanjson")  # rpc_observe's C modules (shared objects "<name>.cpython-...so")
 _OWN_TAGS = tuple(f" [{m}]" for m in _OWN_MODULES)  # how perf_stacks marks their frames
@@ -32,7 +30,7 @@ _IDLE_LEAVES = ("wait (threading.py", "select", "epoll", "sleep", "readline", "_
 
 
 def run_profile(pairs: dict[str, Pair], py_spy: str | None, tmp: str, seconds: float) -> tuple[dict[str, Any], str]:
-    """All five views; the results for the JSON and their tables (also printed)."""
+    """All four views; the results for the JSON and their tables (also printed)."""
     out: dict[str, Any] = {}
     texts = [per_call_counters(pairs, out)]
     texts += self_times(pairs, out)
@@ -43,7 +41,7 @@ def run_profile(pairs: dict[str, Pair], py_spy: str | None, tmp: str, seconds: f
     else:
         print("perf: not found on PATH (apt-get install linux-perf); skipping the perf view", flush=True)
     d = pairs["d"]
-    d.resume()  # (d) runs through py-spy and cProfile
+    d.resume()  # (d) runs through py-spy
     if py_spy and shutil.which(py_spy):
         texts += py_spy_shares(d, py_spy, tmp, seconds, out)
     else:
@@ -51,11 +49,7 @@ def run_profile(pairs: dict[str, Pair], py_spy: str | None, tmp: str, seconds: f
                else "py-spy: not found on PATH (pip install py-spy, or pass --py-spy PATH)")
         out["py-spy skipped"] = msg
         print(f"{msg}; skipping the py-spy view", flush=True)
-    prof_path = os.path.join(tmp, "cprofile-d-caller.prof")
-    d.caller.call("cprofile", n=CPROFILE_CALLS, out=prof_path)
     d.pause()
-    out["cprofile caller"] = cprofile_summary(prof_path)
-    texts.append(out["cprofile caller"]["text"])
     text = "\n\n".join(texts)
     print(text, flush=True)
     return out, text
@@ -93,9 +87,9 @@ def per_call_counters(pairs: dict[str, Pair], out: dict[str, Any], n: int = 2000
 
 # -- 2. in-situ self times -----------------------------------------------------------------------
 def self_times(pairs: dict[str, Pair], out: dict[str, Any], n: int = 1500, reps: int = 6) -> list[str]:
-    """(c) and (d) (and, with --baseline, (c0) and (d0)) with the worker's self-timer, which adds its own
-    ~1-2 us per wrapper; the configs take turns, rep by rep, so a slow phase of the machine hits them all."""
-    configs = [c for c in ("c", "d", "c0", "d0") if c + "_t" in pairs]
+    """(c), (d) and (e) (and, with --baseline, (c0), (d0) and (e0)) with the worker's self-timer, which adds its
+    own ~1-2 us per wrapper; the configs take turns, rep by rep, so a slow phase of the machine hits them all."""
+    configs = [c for c in ("c", "d", "e", "c0", "d0", "e0") if c + "_t" in pairs]
     res: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for _ in range(reps):
         for c in configs:
@@ -327,20 +321,3 @@ def format_profile(title: str, res: dict[str, Any]) -> str:
     lines += ["", "| rpc_observe function (self) | samples | % of busy |", "|---|---|---|"]
     lines += [f"| {k} | {v} | {p:.1f} |" for k, v, p in res["self"]]
     return "\n".join(lines)
-
-
-# -- 5. cProfile ---------------------------------------------------------------------------------
-def cprofile_summary(path: str, calls: int = CPROFILE_CALLS) -> dict[str, Any]:
-    st = pstats.Stats(path)
-    total = st.total_tt
-    rows = []
-    for (file, _line, name), (_cc, nc, tt, ct, _callers) in st.stats.items():
-        if "rpc_observe" in file:
-            rows.append((f"{file[file.find('rpc_observe/'):]}:{name}", nc, tt * 1e6 / calls, ct * 1e6 / calls,
-                         ct / total * 100))
-    rows.sort(key=lambda r: -r[3])
-    lines = [f"cProfile of {calls} no-op rpc_sync on the (d) caller's thread (total {total * 1e6 / calls:.0f} us/call "
-             f"under cProfile)", "| function | calls | self us/RPC | cumulative us/RPC | % of caller thread |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} |" for r in rows[:20]]
-    return {"rows": rows, "total_s": total, "text": "\n".join(lines)}
