@@ -162,6 +162,7 @@ def test_every_rpc_is_in_both_workers_profiler_traces(basic_on):
         key = f"rpc_{mode}#{method}(worker0 -> {dst})"
         caller_events = [e for e in traces["worker0"]["traceEvents"] if e.get("name") == key and e.get("ph") == "X"]
         assert len(caller_events) == 1, key  # a real record_function on the profiled caller thread
+        assert caller_events[0]["cat"] == "user_annotation", key  # as torch.profiler.record_function's
         (client,) = _clients(spans, key)
         (server,) = _children(spans, client)
         callee_events = [
@@ -172,11 +173,15 @@ def test_every_rpc_is_in_both_workers_profiler_traces(basic_on):
     assert traces["worker1"]["rpc_observe"]["worker"] == "worker1"
 
 
-def test_async_client_profiler_event_covers_the_call(basic_on):
+def test_client_profiler_events_cover_the_call(basic_on):
     cluster, _, spans = basic_on
     trace = json.loads((cluster.dir / "prof" / "worker0.json").read_text())
     (event,) = [e for e in trace["traceEvents"] if e.get("name") == "rpc_async#async_add(worker0 -> worker1)"]
     assert event["dur"] >= 200_000  # microseconds: until the future completed, not until rpc_async returned
+    # rpc_sync's event is ended by the caller's thread at the call's error: here a timeout after 0.3 s (the UDF
+    # sleeps 1.5 s); torch's timeout thread may fire a little early
+    (event,) = [e for e in trace["traceEvents"] if e.get("name") == "rpc_sync#sleep_for(worker0 -> worker2)"]
+    assert 250_000 <= event["dur"] < 1_000_000
 
 
 def test_callee_without_the_addon_still_serves(tmp_path, basic_off):

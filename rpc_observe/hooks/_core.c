@@ -3442,7 +3442,7 @@ invoke_rpc_call(Hook *self, PyObject *runtime, PyObject *const *args, size_t nar
         PyObject *profiler = GET(runtime, s_profiler);
         if (profiler != NULL) {
             Py_XSETREF(fields->future, Py_NewRef(future));
-            result = PyObject_CallMethodObjArgs(profiler, s_client_end_on, fields->rf, future, NULL);
+            result = PyObject_CallMethodObjArgs(profiler, s_client_end_on, fields->rf, future, fields->site, NULL);
             Py_DECREF(profiler);
         }
     }

@@ -117,10 +117,10 @@ def _worker_name(to: Any) -> str:
 def _watch(call: Call, future: Any) -> Any:
     """Ends the call when `future` completes (unless its response ends it); returns the future the caller waits on.
 
-    With a profiler event open, that is the future torch's own profiling path returns
-    (`_call_end_callbacks_on_future`): same value or exception, completed only after the
-    event is closed, so a profiler stopped right after wait() never races the pool thread
-    that closes it.
+    With a profiler event open, the event is closed before the caller's wait returns, so a profiler stopped
+    right after wait() never races a pool thread that closes it: rpc_sync's by this thread, which waits here
+    (its next step anyway), any other's by torch's own profiling path (`_call_end_callbacks_on_future`), whose
+    future completes, with the same value or exception, once the event is closed.
     """
     try:
         if call.id:
@@ -134,7 +134,8 @@ def _watch(call: Call, future: Any) -> Any:
             else:
                 future.add_done_callback(call.on_done)
         if call.rf is not None:
-            return call.runtime.profiler.client_end_on(call.rf, future)  # type: ignore[union-attr]  # rf: profiler
+            return call.runtime.profiler.client_end_on(  # type: ignore[union-attr]  # rf: a profiler
+                call.rf, future, call.site)
     except Exception:
         health.internal_error("client_watch")
     return future

@@ -2,8 +2,9 @@
 
 Two paths, because Kineto only records the threads it was started on:
 - on a thread the profiler records (the caller's training loop), a real
-  `record_function` with torch's key, ended when the RPC's future completes, so it is
-  in `prof.events()`, `key_averages()` and the exported trace, like torch's own events;
+  `record_function` with torch's key (a user annotation), ended when the RPC's future
+  completes, so it is in `prof.events()`, `key_averages()` and the exported trace, like
+  torch's own events;
 - on the RPC agent's pool threads (server-side UDFs, nested calls), which a plain
   `torch.profiler.profile()` never sees, the event is kept in a bounded in-memory ring
   while a profiler has been started in this process, and added to the Chrome trace
@@ -31,16 +32,18 @@ _profiler_enabled = torch.autograd._profiler_enabled
 _LEGACY = torch._C._profiler.ActiveProfilerType.LEGACY
 _profiler_type = torch._C._autograd._profiler_type
 CATEGORY = "rpc_observe"
-# The three ops `record_function` runs (enter, end when a future completes, exit), resolved once and called as
-# the builtins behind them: `record_function` makes a Python object per event and looks the ops up through
-# torch.ops each time. Under DisableTorchFunctionSubclass, as `record_function` calls them (torch's issue 76410:
-# the __torch_function__ handling is slow). Its experimental CUPTI-monitor annotation is left out: it is pushed
-# on enter and popped on exit, which an event ended by a future never runs.
-_ops = torch.ops.profiler
-_enter = _ops._record_function_enter_new.default._op
-_end_on = _ops._call_end_callbacks_on_jit_fut._RecordFunction._op
-_exit = _ops._record_function_exit._RecordFunction._op
+# An event begun and ended by the calls torch's own profiler uses for user annotations (`_record_function_with_args_
+# enter`/`_exit`: one pybind call each, the record_function's scope, ~1 us), not `record_function`'s ops (~8 us each:
+# a Python object per event, each op looked up through torch.ops and dispatched). Kineto ends an event only on a
+# thread that holds the profiler's state, as the one that began it does; an event that another thread ends is
+# ended by torch's `_call_end_callbacks_on_jit_fut` (the one op kept: ~20 us, a copy of the thread's state and a
+# future), called under DisableTorchFunctionSubclass as `record_function` calls it (torch's issue 76410).
+_enter = torch.autograd._record_function_with_args_enter
+_exit = torch.autograd._record_function_with_args_exit
+_end_on = torch.ops.profiler._call_end_callbacks_on_jit_fut._RecordFunction._op
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
+_SYNC = "sync"  # a site's mode when rpc_sync made the call
+
 
 
 class ProfilerEvents:
@@ -55,23 +58,34 @@ class ProfilerEvents:
         self._ring: collections.deque = collections.deque(maxlen=capacity)
 
     def client_start(self, key: str) -> Any:
-        """A record_function event for `key` (torch's `_RecordFunction` handle), begun, if the profiler that is on
-        (the caller checked `_profiler_enabled()`) is Kineto's, else None."""
+        """A record_function event for `key` (torch's handle), begun, if the profiler that is on (the caller
+        checked `_profiler_enabled()`) is Kineto's, else None."""
         if _profiler_type() == _LEGACY:
             return None
-        with _no_torch_function():
-            return _enter(key, None)
+        return _enter(key)
 
     @staticmethod
-    def client_end_on(rf: Any, future: Any) -> Any:
-        """The future that completes as `future` does, once the event is ended (torch's own async profiling)."""
-        with _no_torch_function():
-            return _end_on(rf, future)
+    def client_end_on(rf: Any, future: Any, site: Any) -> Any:
+        """The future the caller gets once the event is ended as `future` completes.
+
+        For rpc_sync (its `_invoke_rpc` returns to a wait on this thread, nothing between), this thread waits
+        and ends the event: `future` itself, completed. Otherwise torch's own async profiling: a future that
+        completes as `future` does, once a pool thread has ended the event."""
+        if site.mode != _SYNC:
+            with _no_torch_function():
+                return _end_on(rf, future)
+        try:
+            future.wait()  # its error, if any, is raised to the caller by rpc_sync's own wait
+        except Exception:  # noqa: BLE001 - the RPC's outcome, not ours
+            pass
+        finally:
+            _exit(rf)
+        return future
 
     @staticmethod
     def client_end(rf: Any) -> None:
-        with _no_torch_function():
-            _exit(rf)
+        """Ends the event on the thread that began it."""
+        _exit(rf)
 
     def record(self, key: str, kind: str, start_ns: int, end_ns: int, tid: int, span: Any) -> None:
         """Keeps an event of a thread the profiler does not see (only while armed)."""
