@@ -45,7 +45,6 @@ _no_torch_function = torch._C.DisableTorchFunctionSubclass
 _SYNC = "sync"  # a site's mode when rpc_sync made the call
 
 
-
 class ProfilerEvents:
     """Profiler events of one process."""
 
