@@ -707,34 +707,3 @@ def test_a_request_unpickled_and_run_in_c_is_the_python_one(world: runtime.Runti
     pickler.configure_core(time.time_ns, time.perf_counter)
     assert ways[0] == ways[1]
     assert ways[0][0][1:] == ("7", 20.0) and trailer.core.take_incoming() is None
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("fails", [False, True])
-def test_a_client_profiler_event_ends_when_its_future_completes(mode: str, fails: bool) -> None:
-    """Under a real Kineto session: rpc_sync's event is ended by the calling thread, which waits (so the future
-    it returns is complete and its error never raised there); any other call's by torch's profiled future."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def outcome(_: Any) -> int:
-        if fails:
-            raise ValueError("the UDF's")
-        return 7
-
-    events, site, source = ProfilerEvents("worker0", ""), ClientSite.__new__(ClientSite), torch.futures.Future()
-    site.mode = mode
-    future = source.then(outcome)  # its error set in C++, as an RPC's is (set_exception's is unwrapped in Python)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        rf = events.client_start("rpc_x#f(worker0 -> worker1)")
-        timer = threading.Timer(0.05, source.set_result, args=(None,))
-        timer.start()
-        returned = events.client_end_on(rf, future, site)
-        assert returned.done() == (mode == "sync")
-        if fails:
-            with pytest.raises(RuntimeError, match="ValueError: the UDF.s"):
-                returned.wait()
-        else:
-            assert returned.wait() == 7
-        timer.join()
-    (event,) = [e for e in prof.events() if e.name == "rpc_x#f(worker0 -> worker1)"]
-    assert 45_000 <= event.cpu_time_total < 5_000_000  # us: until the future completed, and ended then
