@@ -16,6 +16,9 @@ measured one pair at a time (the others SIGSTOPped) and interleaved block by blo
   b  rpc_observe installed, RPC_OBSERVE unset (nothing patched)
   c  metrics only: RPC_OBSERVE=1 OTEL_TRACES_EXPORTER=none RPC_OBSERVE_PROFILER_EVENTS=0
   d  metrics + spans (100% sampled, file exporter) + profiler events: RPC_OBSERVE=1
+  dn (d) with RPC_OBSERVE_KEEP_THREAD_STATES=0: torch's pool threads get a new Python thread state at every
+     GIL hold, as with torch alone; (d) keeps them (hooks/thread_states.py), which saves more than the add-on
+     costs, so (dn) is the cost of observing alone
   e  (d) with a torch.profiler session (CPU) active on the caller around each measurement
   h  the user's alternative, no rpc_observe: hand-written OpenTelemetry SDK spans (client span around
      the call, server span in the UDF, context in the kwargs via propagate.inject/extract, batch
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace, mode: str, configs: list[str], p: dict[str, An
         result["rounds"] = res = sections.run_rounds(configs, p, rotate, not args.keep_pairs, tmp, transport,
                                                      channels, report.code_state)
         texts.append(show(report.rounds_table(res, configs)))
-        shown = [c for c in ("a", "a2", "b", "c", "c0", "d", "d0", "e", "h") if c in configs]
+        shown = [c for c in ("a", "a2", "b", "c", "c0", "d", "dn", "d0", "e", "h") if c in configs]
         texts.append(show(report.threads_table("Callee (server) CPU per call by thread, 8-thread rpc_async loop",
                                                {c: res["threads"][c]["thr"] for c in shown}, shown)))
         texts.append(show(report.threads_table("Callee (server) CPU per call by thread, no-op rpc_sync loop",

@@ -36,6 +36,7 @@ RPC_OBSERVE_SPANS_MAX_BYTES = "RPC_OBSERVE_SPANS_MAX_BYTES"
 RPC_OBSERVE_SPANS_FILE_BYTES = "RPC_OBSERVE_SPANS_FILE_BYTES"
 RPC_OBSERVE_RECORDER_SIZE = "RPC_OBSERVE_RECORDER_SIZE"
 RPC_OBSERVE_HANG_SECONDS = "RPC_OBSERVE_HANG_SECONDS"
+RPC_OBSERVE_KEEP_THREAD_STATES = "RPC_OBSERVE_KEEP_THREAD_STATES"
 # Half torch's default 60 s RPC timeout: the watchdog dumps before torch's timeout clears the evidence.
 DEFAULT_HANG_SECONDS = 30.0
 
@@ -94,6 +95,7 @@ class Config:
     # A call in flight or a UDF running longer than this is dumped by the watchdog. 0: off.
     hang_seconds: float = DEFAULT_HANG_SECONDS
     log_correlation: bool = True  # trace ids in logging records (hooks/log_correlation.py)
+    keep_thread_states: bool = True  # torch's pool threads keep their Python thread state (hooks/thread_states.py)
     # The C modules (hooks/_core.c, hooks/_stacks.c, telemetry/_spanjson.c) where built; RPC_OBSERVE_NO_EXTENSIONS=1:
     # their Python references. The hooks' are read where they load (hooks/native.py); the span file exporter's
     # from here (exporters.build_sinks).
@@ -249,6 +251,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         recorder_size=_number(env, RPC_OBSERVE_RECORDER_SIZE, 1000, 0, 1_000_000),
         hang_seconds=_number(env, RPC_OBSERVE_HANG_SECONDS, DEFAULT_HANG_SECONDS, 0.0, 86400.0, kind=float),
         log_correlation=_flag(env, "OTEL_PYTHON_LOG_CORRELATION", True),
+        keep_thread_states=_flag(env, RPC_OBSERVE_KEEP_THREAD_STATES, True),
         extensions=not _flag(env, "RPC_OBSERVE_NO_EXTENSIONS", False),
         metrics_exporters=metrics_exporters,
         metric_export_interval_s=_number(env, "OTEL_METRIC_EXPORT_INTERVAL", 60000, 100, 86_400_000, scale=1000),

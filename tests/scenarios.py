@@ -8,6 +8,7 @@ add-on is switched on only by the environment the test gives the process.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import sys
@@ -661,6 +662,35 @@ def busy(world):
     return {"calls": len(results), "wrong": results.count(False), "errors": errors}
 
 
+_THREAD = threading.local()
+_UDF_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("scenario_udf_var")
+
+
+def visit_thread(_fut=None):
+    """(native thread id, how often this thread's `threading.local` saw a visit before, whether a context variable
+    an earlier UDF set is seen): what a Python thread state kept between GIL holds changes, and what it must not."""
+    before = getattr(_THREAD, "visits", 0)
+    _THREAD.visits = before + 1
+    leaked = _UDF_VAR.get(None) is not None
+    _UDF_VAR.set("set by an earlier UDF")
+    return threading.get_native_id(), before, leaked
+
+
+def _visits(seen):
+    """Visits that found an earlier one on their thread, and the threads: all but each thread's first, when kept."""
+    return {"calls": len(seen), "threads": len({tid for tid, _, _ in seen}),
+            "seen_before": sum(1 for _, before, _ in seen if before), "leaked": sum(1 for *_, leaked in seen if leaked)}
+
+
+def thread_states(world):
+    """UDFs on worker1's pool threads, and done-callbacks on this worker's: do their thread states outlive a call?"""
+    served = [rpc.rpc_sync("worker1", visit_thread) for _ in range(200)]
+    served += [f.wait() for f in [rpc.rpc_async("worker1", visit_thread) for _ in range(50)]]
+    t = torch.ones(2)
+    callbacks = [rpc.rpc_async("worker1", echo, args=(t,)).then(visit_thread).wait() for _ in range(100)]
+    return {"served": _visits(served), "callbacks": _visits(callbacks)}
+
+
 def _rss_kb():
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
@@ -687,6 +717,7 @@ SCENARIOS = {
     "busy": busy,
     "logs": logs,
     "profiler_stop_race": profiler_stop_race,
+    "thread_states": thread_states,
 }
 
 

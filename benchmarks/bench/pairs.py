@@ -28,6 +28,7 @@ LABELS = {
     "b": "(b) installed, RPC_OBSERVE unset",
     "c": "(c) metrics only",
     "d": "(d) metrics+spans+profiler events",
+    "dn": "(dn) (d), thread states not kept",
     "e": "(e) (d) + torch.profiler on caller",
     "ap": "(ap) (a) + torch.profiler on caller [ref]",
     "h": "(h) hand-written OTel SDK + prometheus",
@@ -41,12 +42,15 @@ ENVS: dict[str, dict[str, str]] = {
     "b": {},
     "c": {**ON, "OTEL_TRACES_EXPORTER": "none", "RPC_OBSERVE_PROFILER_EVENTS": "0"},
     "d": dict(ON),
+    # (d) with torch's pool threads given a new Python thread state at every GIL hold, as torch alone does
+    # (hooks/thread_states.py): the cost of observing alone, without what keeping them saves
+    "dn": {**ON, "RPC_OBSERVE_KEEP_THREAD_STATES": "0"},
     "e": dict(ON),
     "h": {},  # rpc_observe is not imported; the worker sets up the OpenTelemetry SDK itself
     "l": {},
 }
 NO_SITE = ("a", "a2", "ap", "h", "l")  # started with `python -S`
-for _c in ("c", "d", "e"):  # --profile: (c), (d), (e) with the worker's in-situ self-timer (BENCH_SELF_TIME)
+for _c in ("c", "d", "dn", "e"):  # --profile: (c), (d), (e) with the worker's in-situ self-timer (BENCH_SELF_TIME)
     LABELS[_c + "_t"] = LABELS[_c] + " + self-timer"
     ENVS[_c + "_t"] = {**ENVS[_c], "BENCH_SELF_TIME": "1"}
 EXTRA_ENV: dict[str, dict[str, str]] = {}  # per config, for diagnostics (edit by hand)
@@ -63,7 +67,7 @@ def add_baseline(rev: str, tree: str) -> None:
         ENVS[c + "_t"] = {**ENVS[c], "BENCH_SELF_TIME": "1"}
 
 
-SAT_CONFIGS = ["a", "c", "d", "h"]  # the saturation section's groups (+ "a2" with the A/A control)
+SAT_CONFIGS = ["a", "c", "d", "dn", "h"]  # the saturation section's groups (+ "a2" with the A/A control)
 
 
 def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False, baseline: bool = False) -> list[str]:
@@ -71,9 +75,9 @@ def configs_for(mode: str, control: bool = True, profiler_baseline: bool = False
     if mode == "memory":
         return ["a", "d"]
     if mode == "profile":
-        return ["a", "c", "d", "c_t", "d_t", "e_t"] + (["d0", "c0_t", "d0_t", "e0_t"] if baseline else [])
-    return (["a", "b", "c", "d", "e", "h", "l"] + (list(BASELINE) if baseline else []) + (["a2"] if control else [])
-            + (["ap"] if profiler_baseline else []))
+        return ["a", "c", "d", "dn", "c_t", "d_t", "dn_t", "e_t"] + (["d0", "c0_t", "d0_t", "e0_t"] if baseline else [])
+    return (["a", "b", "c", "d", "dn", "e", "h", "l"] + (list(BASELINE) if baseline else [])
+            + (["a2"] if control else []) + (["ap"] if profiler_baseline else []))
 
 
 def clean_env() -> dict[str, str]:
@@ -269,7 +273,7 @@ def _stat_fields(pid: int) -> list[str]:
 
 
 def proc_counters(pid: int) -> dict[str, float]:
-    """Context switches (all live threads) and user/sys CPU (whole process) of a process."""
+    """Context switches (all live threads), minor page faults and user/sys CPU (whole process) of a process."""
     vcs = nvcs = 0
     for t in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -282,4 +286,5 @@ def proc_counters(pid: int) -> dict[str, float]:
         except OSError:
             pass
     fields = _stat_fields(pid)
-    return {"vcs": vcs, "nvcs": nvcs, "user_us": int(fields[11]) * TICK_US, "sys_us": int(fields[12]) * TICK_US}
+    return {"vcs": vcs, "nvcs": nvcs, "minflt": int(fields[7]), "user_us": int(fields[11]) * TICK_US,
+            "sys_us": int(fields[12]) * TICK_US}

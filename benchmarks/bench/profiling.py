@@ -58,8 +58,9 @@ def run_profile(pairs: dict[str, Pair], py_spy: str | None, tmp: str, seconds: f
 # -- 1. /proc counters ---------------------------------------------------------------------------
 def per_call_counters(pairs: dict[str, Pair], out: dict[str, Any], n: int = 2000) -> str:
     rows = []
+    configs = [c for c in ("a", "c", "d", "dn") if c in pairs]
     for rep in range(3):
-        for c in ("a", "c", "d"):
+        for c in configs:
             pr = pairs[c]
             pr.resume()
             before = {r: proc_counters(w.pid) for r, w in (("caller", pr.caller), ("callee", pr.callee))}
@@ -72,16 +73,17 @@ def per_call_counters(pairs: dict[str, Pair], out: dict[str, Any], n: int = 2000
                     row[f"{r}_{k}"] = (after[r][k] - before[r][k]) / n
             rows.append(row)
     out["per_call_counters"] = rows
-    lines = [f"Per no-op RPC ({n} calls, median of 3 reps): context switches and CPU of each process",
-             "| config | p50 us | caller vol. cs | caller invol. cs | caller user us | caller sys us | "
-             "callee vol. cs | callee invol. cs | callee user us | callee sys us |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in ("a", "c", "d"):
+    lines = [f"Per no-op RPC ({n} calls, median of 3 reps): context switches, minor page faults and CPU of each "
+             "process",
+             "| config | p50 us | caller vol. cs | caller invol. cs | caller faults | caller user us | caller sys us | "
+             "callee vol. cs | callee invol. cs | callee faults | callee user us | callee sys us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in configs:
         rs = [r for r in rows if r["config"] == c]
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("config", "rep")}
         lines.append(f"| {c} | {med['p50_us']:.0f} | " + " | ".join(
-            f"{med[f'{r}_{k}']:.2f}" if k.endswith("cs") else f"{med[f'{r}_{k}']:.0f}"
-            for r in ("caller", "callee") for k in ("vcs", "nvcs", "user_us", "sys_us")) + " |")
+            f"{med[f'{r}_{k}']:.2f}" if k.endswith(("cs", "flt")) else f"{med[f'{r}_{k}']:.0f}"
+            for r in ("caller", "callee") for k in ("vcs", "nvcs", "minflt", "user_us", "sys_us")) + " |")
     return "\n".join(lines)
 
 
@@ -89,7 +91,7 @@ def per_call_counters(pairs: dict[str, Pair], out: dict[str, Any], n: int = 2000
 def self_times(pairs: dict[str, Pair], out: dict[str, Any], n: int = 1500, reps: int = 6) -> list[str]:
     """(c), (d) and (e) (and, with --baseline, (c0), (d0) and (e0)) with the worker's self-timer, which adds its
     own ~1-2 us per wrapper; the configs take turns, rep by rep, so a slow phase of the machine hits them all."""
-    configs = [c for c in ("c", "d", "e", "c0", "d0", "e0") if c + "_t" in pairs]
+    configs = [c for c in ("c", "d", "dn", "e", "c0", "d0", "e0") if c + "_t" in pairs]
     res: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for _ in range(reps):
         for c in configs:

@@ -99,7 +99,7 @@ def _median0(rounds: list[dict[str, float]], key: str) -> float:
 
 
 def threads_table(title: str, threads: dict[str, list[dict[str, float]]], configs: list[str],
-                  diff: tuple[str, ...] = ("c", "c0", "d", "d0", "h")) -> str:
+                  diff: tuple[str, ...] = ("c", "c0", "d", "dn", "d0", "h")) -> str:
     """CPU us per call by thread group of one process, median over rounds, and the configs' excess over (a)."""
     configs = [c for c in configs if c in threads and threads[c]]
     diff = tuple(c for c in diff if c in configs and c != "a")
@@ -131,7 +131,7 @@ def added_table(result: dict[str, Any]) -> str:
              "| config | no-op, all processes | 8-thread, all processes | saturation, server | saturation, all |",
              "|---|---|---|---|---|"]
     added = result.get("added_cpu", {})
-    for c in ("b", "c", "c0", "d", "d0", "e", "e0", "h", "l"):
+    for c in ("b", "c", "c0", "d", "dn", "d0", "e", "e0", "h", "l"):
         cells = [added.get(m, {}).get(c) for m in CPU_METRICS]
         if any(x is not None for x in cells):
             lines.append(f"| ({c}) | " + " | ".join("-" if x is None else f"{x['median']:+.1f}" for x in cells) + " |")

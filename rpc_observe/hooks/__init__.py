@@ -17,11 +17,12 @@ if TYPE_CHECKING:
 
 def attach(runtime: Runtime) -> None:
     """Gives a new runtime what needs torch: the call sweep, the flight recorder, torch's debug state,
-    profiler events."""
+    profiler events, the pool threads' kept thread states."""
     from ..telemetry.recorder import FlightRecorder
-    from . import calls, compat, snapshot, torch_state, trailer
+    from . import calls, compat, snapshot, thread_states, torch_state, trailer
 
     config = runtime.config
+    thread_states.configure(config.keep_thread_states)
     if calls.finished.maxlen != config.recorder_size:
         calls.finished.resize(config.recorder_size)
     runtime.recorder = FlightRecorder(runtime.worker, runtime.rank, runtime.run_id, runtime.out_dir,

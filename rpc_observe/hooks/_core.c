@@ -3480,6 +3480,66 @@ configure_invoke(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* torch's RPC pool threads keep their Python thread state (thread_states.py is the reference and says why). Each
+ * time one of these C++ threads takes the GIL (pybind11's gil_scoped_acquire), CPython makes it a new thread state
+ * and deletes it at the release: a state allocated, its frame stack mapped, faulted in and unmapped, 2-3 times per
+ * RPC on the callee. One reference more on the state, taken where a hook first runs on the thread and never given
+ * back, makes pybind11 keep it and take the GIL with it from then on. */
+static int keep_thread_states;  /* keep_thread_states(flag): the runtime's RPC_OBSERVE_KEEP_THREAD_STATES */
+static __thread char thread_state_seen;  /* this thread's state was kept (or is not one to keep) */
+
+static void
+keep_thread_state(void)
+{
+    thread_state_seen = 1;
+    /* PyGILState_Ensure on the state this thread already runs with only counts a reference: it takes no lock. A
+     * state that is not the thread's PyGILState one (a sub-interpreter's) is left as it is. */
+    if (PyGILState_GetThisThreadState() == PyThreadState_Get()) {
+        (void)PyGILState_Ensure();
+    }
+}
+
+PyDoc_STRVAR(keep_thread_states_doc,
+"keep_thread_states(keep, /)\n--\n\n"
+"Whether the hooks keep the Python thread state of the threads they run on (thread_states.configure).");
+
+static PyObject *
+set_keep_thread_states(PyObject *module, PyObject *keep)
+{
+    int flag = PyObject_IsTrue(keep);
+    if (flag < 0) {
+        return NULL;
+    }
+    keep_thread_states = flag;
+    Py_RETURN_NONE;
+}
+
+/* _run_function in an empty contextvars context, as it runs on a new thread state: what a UDF sets in one is never
+ * seen by the next UDF the kept thread state runs. */
+static PyObject *
+run_in_new_context(Hook *self, PyObject *runtime, PyObject *const *args, size_t nargsf)
+{
+    PyObject *context = PyContext_New();
+    if (context == NULL || PyContext_Enter(context) < 0) {
+        Py_XDECREF(context);
+        return swallow(hook_refs.where_start) < 0 ? NULL : run_function_call(self, runtime, args, nargsf);
+    }
+    PyObject *result = run_function_call(self, runtime, args, nargsf);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);  /* a KeyboardInterrupt through the UDF: raised again below */
+    if (PyContext_Exit(context) < 0 && swallow(hook_refs.where_detach) < 0) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        Py_XDECREF(result);
+        Py_DECREF(context);
+        return NULL;
+    }
+    PyErr_Restore(type, value, traceback);
+    Py_DECREF(context);
+    return result;
+}
+
 static PyObject *
 hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -3507,8 +3567,12 @@ hook_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
         Py_DECREF(runtime);
         return result;
     }
+    if (keep_thread_states && !thread_state_seen) {
+        keep_thread_state();
+    }
     if (self->kind == RUN_FUNCTION) {
-        PyObject *result = run_function_call(self, runtime, args, nargsf);
+        PyObject *result = keep_thread_states ? run_in_new_context(self, runtime, args, nargsf)
+                                              : run_function_call(self, runtime, args, nargsf);
         Py_DECREF(runtime);
         return result;
     }
@@ -4261,6 +4325,7 @@ static PyMethodDef core_methods[] = {
     {"configure_hooks", (PyCFunction)(void (*)(void))configure_hooks, METH_FASTCALL, configure_hooks_doc},
     {"configure_run", (PyCFunction)(void (*)(void))configure_run, METH_FASTCALL, configure_run_doc},
     {"configure_invoke", (PyCFunction)(void (*)(void))configure_invoke, METH_FASTCALL, configure_invoke_doc},
+    {"keep_thread_states", (PyCFunction)set_keep_thread_states, METH_O, keep_thread_states_doc},
     {"new_call", (PyCFunction)(void (*)(void))new_call, METH_FASTCALL, new_call_doc},
     {"current_call", current_call, METH_NOARGS, current_call_doc},
     {"set_current_call", set_current_call, METH_O, set_current_call_doc},

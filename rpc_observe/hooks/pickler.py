@@ -29,7 +29,7 @@ from ..telemetry.metrics import (
     fold_split,
     fold_started,
 )
-from . import calls, trailer
+from . import calls, thread_states, trailer
 from .naming import RREF_FETCH, is_proxy, method_name, proxy_method
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ _tuple_new = tuple.__new__
 _thread_id = threading.get_ident
 _local, _in_flight, _next_id = calls.local, calls.in_flight, calls.next_id
 _current_call, _take_pending_reply = calls.current_call, calls.take_pending_reply
+_keep_thread_state = thread_states.keep
 _finished_append = calls.finished.append  # calls.finished is one object for the process's life
 _MAX_IN_FLIGHT = calls.MAX_IN_FLIGHT
 # The trailer codec (in C where built; trailer.py has the references).
@@ -194,6 +195,7 @@ def wrap_serialize(original: Callable[..., Any]) -> Callable[..., Any]:
         runtime = _runtime.current
         if runtime is None:
             return original(self, obj)
+        _keep_thread_state()
         start = _perf_counter()
         data, tensors = original(self, obj)
         seconds = _perf_counter() - start
@@ -245,6 +247,7 @@ def wrap_deserialize(original: Callable[..., Any]) -> Callable[..., Any]:
         runtime = _runtime.current
         if runtime is None:
             return original(self, binary_data, tensor_table)
+        _keep_thread_state()
         start = _perf_counter()
         obj = original(self, binary_data, tensor_table)
         seconds = _perf_counter() - start

@@ -9,6 +9,7 @@ spans inside it are its children. async_execution UDFs end when their Future doe
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from ..telemetry import health, tracing
 from ..telemetry import runtime as _runtime
 from ..telemetry.metrics import MessageCells, Record, ServerCells, fold_served
 from ..telemetry.tracing import SpanRecord
-from . import trailer
+from . import thread_states, trailer
 from .calls import future_error, remote_error, serving, set_pending_reply
 from .naming import PROXY_FUNCTIONS, is_internal, method_name, profiling_key, proxy_method, span_attributes
 
@@ -165,6 +166,12 @@ def wrap_run_function(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         runtime = _runtime.current
         if runtime is None:
             return original(python_udf)
+        if not thread_states.enabled:
+            return _serve(runtime, python_udf)
+        thread_states.keep()  # and the UDF in an empty context, as on a new thread state
+        return contextvars.Context().run(_serve, runtime, python_udf)
+
+    def _serve(runtime: Runtime, python_udf: Any) -> Any:
         # Inline on purpose: this runs on the agent's pool threads, where each function
         # touched costs microseconds of cache misses (see `pickler.wrap_deserialize`).
         try:

@@ -55,7 +55,7 @@ def test_empty_environ_is_the_documented_defaults(caplog: pytest.LogCaptureFixtu
         "propagators": ("tracecontext", "baggage"), "service_name": "",
         "bsp_schedule_delay_s": 1.0, "bsp_max_queue_size": 16384, "bsp_max_export_batch_size": 2048,
         "bsp_export_timeout_s": 5.0, "recorder_size": 1000, "hang_seconds": 30.0,
-        "log_correlation": True, "extensions": True, "metrics_exporters": ("prometheus",),
+        "log_correlation": True, "keep_thread_states": True, "extensions": True, "metrics_exporters": ("prometheus",),
         "metric_export_interval_s": 60.0,
         "otlp_metrics_endpoint": "http://localhost:4318/v1/metrics", "otlp_metrics_headers": (),
         "otlp_metrics_timeout_s": 10.0}
@@ -118,6 +118,7 @@ BAD = [
     ("RPC_OBSERVE_HANG_SECONDS", "30s", "a float from 0.0 to 86400.0; using 30.0", {}),
     ("OTEL_PYTHON_LOG_CORRELATION", "maybe", "1/true/yes/on or 0/false/no/off; using 1", {}),
     ("RPC_OBSERVE_NO_EXTENSIONS", "c", "1/true/yes/on or 0/false/no/off; using 0", {}),
+    ("RPC_OBSERVE_KEEP_THREAD_STATES", "always", "1/true/yes/on or 0/false/no/off; using 1", {}),
     ("OTEL_METRICS_EXPORTER", "statsd", "a comma-separated list of prometheus, otlp, none; ignoring statsd", {}),
     ("OTEL_METRIC_EXPORT_INTERVAL", "10", "a int from 100 to 86400000; using 60000", {}),
     ("OTEL_METRIC_EXPORT_INTERVAL", "1m", "a int from 100 to 86400000; using 60000", {}),
@@ -182,7 +183,7 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
         "OTEL_SERVICE_NAME": "trainer", "OTEL_BSP_SCHEDULE_DELAY": "250", "OTEL_BSP_MAX_QUEUE_SIZE": "1",
         "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "10000000", "OTEL_BSP_EXPORT_TIMEOUT": "1",
         "RPC_OBSERVE_RECORDER_SIZE": " 0 ", "RPC_OBSERVE_HANG_SECONDS": "2.5", "OTEL_PYTHON_LOG_CORRELATION": "False",
-        "RPC_OBSERVE_NO_EXTENSIONS": "1",
+        "RPC_OBSERVE_NO_EXTENSIONS": "1", "RPC_OBSERVE_KEEP_THREAD_STATES": "Off",
     })
     assert dataclasses.asdict(cfg) == {
         "out_dir": "/tmp/out", "run_id": "run-1", "metrics": False, "metrics_port": 65535, "metrics_addr": "0.0.0.0",
@@ -194,7 +195,8 @@ def test_good_values(caplog: pytest.LogCaptureFixture) -> None:
         "sampler_ratio": 0.25, "sampler_rate": 10.0, "spans_max_bytes": 1073741824, "spans_file_bytes": 67108864,
         "propagators": ("b3multi",), "service_name": "trainer", "bsp_schedule_delay_s": 0.25,
         "bsp_max_queue_size": 1, "bsp_max_export_batch_size": 10_000_000, "bsp_export_timeout_s": 0.001,
-        "recorder_size": 0, "hang_seconds": 2.5, "log_correlation": False, "extensions": False,
+        "recorder_size": 0, "hang_seconds": 2.5, "log_correlation": False, "keep_thread_states": False,
+        "extensions": False,
         "metrics_exporters": ("prometheus",),
         "metric_export_interval_s": 60.0, "otlp_metrics_endpoint": "http://localhost:4318/v1/metrics",
         "otlp_metrics_headers": (), "otlp_metrics_timeout_s": 10.0}
