@@ -55,7 +55,8 @@ MAX_IN_FLIGHT = 100_000
 next_id = itertools.count(1).__next__
 # The site and caller's call id of the UDF whose response is pickled next on a thread, by
 # thread id: torch's pool threads get a fresh Python thread state (and an empty
-# threading.local) every time they take the GIL, between running a UDF and pickling its response.
+# threading.local) every time they take the GIL, between running a UDF and pickling its response,
+# unless hooks/thread_states.py keeps it (RPC_OBSERVE_KEEP_THREAD_STATES=0, or a state it cannot keep).
 # The reference of the C core's thread local (set_pending_reply / take_pending_reply, below).
 pending_replies: dict[int, tuple[ServerSite, str, float]] = {}  # (site, caller's call id, request's perf_counter)
 _sweep_lock = threading.Lock()
