@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
+from ..telemetry import health
 from . import trailer
 
 _core = trailer.core
@@ -45,8 +46,11 @@ def configure(keep: bool) -> None:
 def keep() -> None:
     """Keeps this thread's Python thread state alive after the GIL is released (once a thread state)."""
     if enabled and not getattr(_seen, "kept", False):
-        _seen.kept = True
-        # Ensure on the state this thread already runs with only counts a reference: it takes no lock. A
-        # state that is not the thread's PyGILState one (a sub-interpreter's) is left as it is.
-        if _this_thread_state() == _current_thread_state():
-            _add_reference()
+        try:
+            _seen.kept = True
+            # Ensure on the state this thread already runs with only counts a reference: it takes no lock. A
+            # state that is not the thread's PyGILState one (a sub-interpreter's) is left as it is.
+            if _this_thread_state() == _current_thread_state():
+                _add_reference()
+        except Exception:
+            health.internal_error("thread_state")
