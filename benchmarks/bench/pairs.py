@@ -50,7 +50,7 @@ ENVS: dict[str, dict[str, str]] = {
     "l": {},
 }
 NO_SITE = ("a", "a2", "ap", "h", "l")  # started with `python -S`
-for _c in ("c", "d", "dn", "e"):  # --profile: (c), (d), (e) with the worker's in-situ self-timer (BENCH_SELF_TIME)
+for _c in ("c", "d", "dn", "e"):  # --profile: these with the worker's in-situ self-timer (BENCH_SELF_TIME)
     LABELS[_c + "_t"] = LABELS[_c] + " + self-timer"
     ENVS[_c + "_t"] = {**ENVS[_c], "BENCH_SELF_TIME": "1"}
 EXTRA_ENV: dict[str, dict[str, str]] = {}  # per config, for diagnostics (edit by hand)

@@ -89,7 +89,7 @@ def per_call_counters(pairs: dict[str, Pair], out: dict[str, Any], n: int = 2000
 
 # -- 2. in-situ self times -----------------------------------------------------------------------
 def self_times(pairs: dict[str, Pair], out: dict[str, Any], n: int = 1500, reps: int = 6) -> list[str]:
-    """(c), (d) and (e) (and, with --baseline, (c0), (d0) and (e0)) with the worker's self-timer, which adds its
+    """(c), (d), (dn) and (e) (and, with --baseline, (c0), (d0) and (e0)) with the worker's self-timer, which adds its
     own ~1-2 us per wrapper; the configs take turns, rep by rep, so a slow phase of the machine hits them all."""
     configs = [c for c in ("c", "d", "dn", "e", "c0", "d0", "e0") if c + "_t" in pairs]
     res: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}

@@ -3527,13 +3527,8 @@ run_in_new_context(Hook *self, PyObject *runtime, PyObject *const *args, size_t 
     PyObject *result = run_function_call(self, runtime, args, nargsf);
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);  /* a KeyboardInterrupt through the UDF: raised again below */
-    if (PyContext_Exit(context) < 0 && swallow(hook_refs.where_detach) < 0) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(traceback);
-        Py_XDECREF(result);
-        Py_DECREF(context);
-        return NULL;
+    if (PyContext_Exit(context) < 0) {
+        (void)swallow(hook_refs.where_detach);  /* a RuntimeError (another context left entered): counted */
     }
     PyErr_Restore(type, value, traceback);
     Py_DECREF(context);
